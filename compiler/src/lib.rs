@@ -1,0 +1,194 @@
+//! The plan compiler: config -> weight manifest and state layout -> op graph per variant -> arena by liveness ->
+//! validated, serialized plan set (`architecture.md`).
+#![warn(missing_docs)]
+
+pub mod deps;
+pub mod graph;
+pub mod launch;
+pub mod manifest;
+pub mod memory;
+pub mod state;
+
+use flashplan_plan::{
+    CompileOptions, DrafterForm, FormatError, IoLayout, ModelConfig, PlanBody, PlanSet, Variant,
+    VariantKind,
+};
+
+pub use manifest::FormSource;
+
+/// The compiler's version, recorded in every plan header.
+pub const COMPILER_VERSION: &str = env!("CARGO_PKG_VERSION");
+
+/// Errors compiling plans.
+#[derive(Debug, thiserror::Error)]
+pub enum CompileError {
+    /// An option is out of range.
+    #[error("option {name} = {value}: expected {expected}")]
+    Option {
+        /// Option name.
+        name: &'static str,
+        /// The value given.
+        value: String,
+        /// What is accepted.
+        expected: &'static str,
+    },
+    /// Building a graph failed (an internal inconsistency).
+    #[error(transparent)]
+    Graph(#[from] graph::GraphError),
+    /// Sealing the plan failed validation.
+    #[error(transparent)]
+    Format(#[from] FormatError),
+}
+
+/// Default options: max depth 15, streams 1, 2, 4, 8, 16, context 32768, prefill chunks of 64 rows.
+pub fn default_options(arch: &str) -> CompileOptions {
+    CompileOptions {
+        arch: arch.to_string(),
+        max_depth: 15,
+        streams: vec![1, 2, 4, 8, 16],
+        context: 32768,
+        prefill_chunk: 64,
+    }
+}
+
+/// Every variant kind the runtime may replay for these options.
+pub fn variant_kinds(cfg: &ModelConfig, o: &CompileOptions) -> Vec<VariantKind> {
+    let mut kinds = Vec::new();
+    let windows = 1..=o.max_depth + 1;
+    for &s in &o.streams {
+        for w in windows.clone() {
+            kinds.push(VariantKind::Verify {
+                streams: s,
+                window: w,
+            });
+        }
+    }
+    for w in windows.clone() {
+        kinds.push(VariantKind::Lone { window: w });
+    }
+    kinds.push(VariantKind::Prefill {
+        chunk: o.prefill_chunk,
+    });
+    if cfg.mtp.is_some() {
+        for form in DrafterForm::ALL {
+            for &s in &o.streams {
+                for w in windows.clone() {
+                    kinds.push(VariantKind::MtpAbsorb {
+                        streams: s,
+                        window: w,
+                        form,
+                    });
+                }
+                kinds.push(VariantKind::MtpChain { streams: s, form });
+            }
+            if o.prefill_chunk > o.max_depth + 1 {
+                kinds.push(VariantKind::MtpAbsorb {
+                    streams: 1,
+                    window: o.prefill_chunk,
+                    form,
+                });
+            }
+        }
+    }
+    kinds
+}
+
+fn check_options(o: &CompileOptions) -> Result<(), CompileError> {
+    let bad = |name, value: String, expected| {
+        Err(CompileError::Option {
+            name,
+            value,
+            expected,
+        })
+    };
+    if o.arch != "cpu" && !o.arch.starts_with("sm_") {
+        return bad(
+            "--arch",
+            o.arch.clone(),
+            "cpu or an NVIDIA arch such as sm_90a",
+        );
+    }
+    if o.max_depth > 63 {
+        return bad(
+            "--max-depth",
+            o.max_depth.to_string(),
+            "an integer in 0..=63",
+        );
+    }
+    if o.streams.is_empty() || o.streams.iter().any(|&s| s == 0 || s > 256) {
+        return bad(
+            "--streams",
+            format!("{:?}", o.streams),
+            "a list of stream counts in 1..=256",
+        );
+    }
+    if o.context < 16 || o.context > (1 << 24) {
+        return bad(
+            "--context",
+            o.context.to_string(),
+            "a context length in 16..=16777216 tokens",
+        );
+    }
+    if o.prefill_chunk == 0 || o.prefill_chunk > 4096 {
+        return bad(
+            "--prefill-chunk",
+            o.prefill_chunk.to_string(),
+            "rows in 1..=4096",
+        );
+    }
+    Ok(())
+}
+
+/// Compiles the plan set for a config. `progress` is called after each variant with (done, total).
+///
+/// # Errors
+/// [`CompileError`] for out-of-range options or a plan that fails validation.
+pub fn compile(
+    cfg: &ModelConfig,
+    options: &CompileOptions,
+    forms: &FormSource,
+    kernel_source_hash: &str,
+    mut progress: impl FnMut(usize, usize),
+) -> Result<PlanSet, CompileError> {
+    let mut options = options.clone();
+    options.streams.sort_unstable();
+    options.streams.dedup();
+    check_options(&options)?;
+    let weights = manifest::build_manifest(cfg, forms);
+    let max_streams = *options.streams.iter().max().unwrap_or(&1);
+    let state = state::build_state(cfg, options.context, max_streams);
+    let kinds = variant_kinds(cfg, &options);
+    let mut variants = Vec::with_capacity(kinds.len());
+    let mut max_rows = 1;
+    for (i, kind) in kinds.iter().enumerate() {
+        let (s, w) = kind.shape();
+        max_rows = max_rows.max(s * w);
+        let b = graph::Builder::new(cfg, &weights, &state, s, w);
+        let (buffers, nodes) = b.build(*kind)?;
+        let mut v = Variant {
+            kind: *kind,
+            buffers,
+            nodes,
+            arena_elems: 0,
+            arena_elems_no_reuse: 0,
+        };
+        memory::assign_arena(&mut v);
+        variants.push(v);
+        progress(i + 1, kinds.len());
+    }
+    let arena_elems = variants.iter().map(|v| v.arena_elems).max().unwrap_or(0);
+    let body = PlanBody {
+        config: cfg.clone(),
+        options,
+        weights,
+        state,
+        io: IoLayout {
+            max_rows,
+            max_streams,
+        },
+        arena_elems,
+        kernels: Vec::new(),
+        variants,
+    };
+    Ok(PlanSet::seal(body, kernel_source_hash, COMPILER_VERSION)?)
+}

@@ -1,0 +1,65 @@
+//! Round descriptors: everything that changes from round to round, read by the kernels, so one variant serves every
+//! round of its shape (`architecture.md`, "Plans").
+
+use serde::{Deserialize, Serialize};
+
+/// Sampling parameters of one stream (`rounds.md` section 4).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct SamplingParams {
+    /// Temperature; 0 means greedy (the lowest-id maximum).
+    pub temperature: f32,
+    /// Keep the `top_k` best candidates; 0 turns it off.
+    pub top_k: u32,
+    /// Nucleus mass in (0, 1]; 1 turns it off.
+    pub top_p: f32,
+    /// Minimum probability relative to the best candidate, in [0, 1]; 0 turns it off.
+    pub min_p: f32,
+    /// The sampling key's seed.
+    pub seed: u64,
+}
+
+impl SamplingParams {
+    /// Greedy decoding.
+    pub fn greedy() -> Self {
+        SamplingParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: 0,
+        }
+    }
+    /// Whether this is greedy decoding (temperature 0).
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0
+    }
+}
+
+/// One stream's part of a round.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct StreamDesc {
+    /// The slot holding the stream's state.
+    pub slot: u32,
+    /// Absolute position of the stream's row 0 (tokens before it are committed in the slot).
+    pub pos: u32,
+    /// Real rows (the rest of the stream's window is padding).
+    pub rows: u32,
+    /// Positions of the stream's attention caches that are committed (pooled indexer blocks exist for every
+    /// complete block below it). Equal to `pos` except in MTP chain steps, where it is the absorbed length.
+    pub committed: u32,
+    /// For MTP steps: the row of the source buffer (main streams or MTP streams) where this stream's input rows
+    /// start.
+    pub src_row: u32,
+    /// Sampling parameters.
+    pub sampling: SamplingParams,
+}
+
+/// The descriptor of one replay.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct RoundDesc {
+    /// One entry per stream of the variant.
+    pub streams: Vec<StreamDesc>,
+    /// `streams * window` token ids: each stream's window (pending token, then drafts; for MTP steps the next
+    /// token of each entry), padding rows set to 0.
+    pub tokens: Vec<u32>,
+}

@@ -1,0 +1,252 @@
+//! The plan file format: `FLASHPLN` magic, a little-endian u32 header length, the bincode-encoded
+//! [`PlanHeader`], then the bincode-encoded [`PlanBody`] (bincode 2.0.1, standard config, through serde).
+//! Files are written atomically (temporary file in the same folder, fsync, rename) and are deterministic:
+//! the same inputs give byte-identical files.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use sha2::{Digest, Sha256};
+
+use crate::plan::{PlanBody, PlanHeader, PlanSet};
+use crate::validate::{validate_body, ValidationError};
+
+/// Version of the on-disk format; bumped on every incompatible change.
+pub const FORMAT_VERSION: u32 = 1;
+const MAGIC: &[u8; 8] = b"FLASHPLN";
+
+/// Errors reading, writing or matching a plan file.
+#[derive(Debug, thiserror::Error)]
+pub enum FormatError {
+    /// The file could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// Not a plan file, or truncated.
+    #[error("{path}: not a flashplan plan file ({why})")]
+    NotAPlan {
+        /// The file.
+        path: PathBuf,
+        /// What was wrong.
+        why: String,
+    },
+    /// Written by another format version.
+    #[error("{path}: plan format version {found}, this build reads version {expected}; recompile the plans")]
+    Version {
+        /// The file.
+        path: PathBuf,
+        /// Version in the file.
+        found: u32,
+        /// Version this build reads.
+        expected: u32,
+    },
+    /// The body does not match its checksum (corrupt file).
+    #[error("{path}: plan body checksum mismatch (header says {expected}, body hashes to {found}): the file is corrupt")]
+    Checksum {
+        /// The file.
+        path: PathBuf,
+        /// Checksum in the header.
+        expected: String,
+        /// Checksum of the body found.
+        found: String,
+    },
+    /// The plan was built for something else than what it is used with.
+    #[error("plan mismatch: {what} is {found} in the plan but {expected} here; recompile the plans for this {what}")]
+    Mismatch {
+        /// Which header field differs (`config`, `arch`, `kernel sources`).
+        what: &'static str,
+        /// Value in the plan.
+        found: String,
+        /// Value expected.
+        expected: String,
+    },
+    /// Encoding or decoding failed.
+    #[error("plan encoding: {0}")]
+    Codec(String),
+    /// The plan breaks a structural rule.
+    #[error(transparent)]
+    Invalid(#[from] ValidationError),
+}
+
+/// SHA-256 as lowercase hex.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    let digest = Sha256::digest(bytes);
+    digest.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The hash identifying a config: SHA-256 of its canonical JSON (serde field order, deterministic).
+pub fn config_hash(cfg: &crate::ModelConfig) -> String {
+    sha256_hex(serde_json::to_string(cfg).unwrap_or_default().as_bytes())
+}
+
+fn bincode_cfg() -> bincode::config::Configuration {
+    bincode::config::standard()
+}
+
+/// Encodes a body (deterministic bytes).
+pub fn encode_body(body: &PlanBody) -> Result<Vec<u8>, FormatError> {
+    bincode::serde::encode_to_vec(body, bincode_cfg())
+        .map_err(|e| FormatError::Codec(e.to_string()))
+}
+
+impl PlanSet {
+    /// Builds the header for a body (validating it first).
+    pub fn seal(
+        body: PlanBody,
+        kernel_source_hash: &str,
+        compiler_version: &str,
+    ) -> Result<PlanSet, FormatError> {
+        validate_body(&body)?;
+        let bytes = encode_body(&body)?;
+        let header = PlanHeader {
+            format_version: FORMAT_VERSION,
+            config_hash: config_hash(&body.config),
+            kernel_source_hash: kernel_source_hash.to_string(),
+            arch: body.options.arch.clone(),
+            compiler_version: compiler_version.to_string(),
+            body_checksum: sha256_hex(&bytes),
+        };
+        Ok(PlanSet { header, body })
+    }
+
+    /// Encodes the whole file.
+    pub fn to_bytes(&self) -> Result<Vec<u8>, FormatError> {
+        let header = bincode::serde::encode_to_vec(&self.header, bincode_cfg())
+            .map_err(|e| FormatError::Codec(e.to_string()))?;
+        let body = encode_body(&self.body)?;
+        let mut out = Vec::with_capacity(12 + header.len() + body.len());
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&(header.len() as u32).to_le_bytes());
+        out.extend_from_slice(&header);
+        out.extend_from_slice(&body);
+        Ok(out)
+    }
+
+    /// Writes the file atomically: a temporary file beside `path`, fsync, then rename over `path`.
+    pub fn write_atomic(&self, path: &Path) -> Result<(), FormatError> {
+        let bytes = self.to_bytes()?;
+        write_atomic(path, &bytes)
+    }
+
+    /// Decodes a file's bytes, checking magic, version, checksum and the structural rules.
+    pub fn from_bytes(bytes: &[u8], path: &Path) -> Result<PlanSet, FormatError> {
+        let not_plan = |why: &str| FormatError::NotAPlan {
+            path: path.to_path_buf(),
+            why: why.to_string(),
+        };
+        if bytes.len() < 12 || &bytes[..8] != MAGIC {
+            return Err(not_plan("missing FLASHPLN magic"));
+        }
+        let hlen = u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]) as usize;
+        if bytes.len() < 12 + hlen {
+            return Err(not_plan("truncated header"));
+        }
+        let (header, _): (PlanHeader, usize) =
+            bincode::serde::decode_from_slice(&bytes[12..12 + hlen], bincode_cfg())
+                .map_err(|e| not_plan(&format!("header does not decode: {e}")))?;
+        if header.format_version != FORMAT_VERSION {
+            return Err(FormatError::Version {
+                path: path.to_path_buf(),
+                found: header.format_version,
+                expected: FORMAT_VERSION,
+            });
+        }
+        let body_bytes = &bytes[12 + hlen..];
+        let found = sha256_hex(body_bytes);
+        if found != header.body_checksum {
+            return Err(FormatError::Checksum {
+                path: path.to_path_buf(),
+                expected: header.body_checksum,
+                found,
+            });
+        }
+        let (body, used): (PlanBody, usize) =
+            bincode::serde::decode_from_slice(body_bytes, bincode_cfg())
+                .map_err(|e| not_plan(&format!("body does not decode: {e}")))?;
+        if used != body_bytes.len() {
+            return Err(not_plan("trailing bytes after the body"));
+        }
+        if config_hash(&body.config) != header.config_hash {
+            return Err(not_plan(
+                "config hash in the header does not match the body's config",
+            ));
+        }
+        validate_body(&body)?;
+        Ok(PlanSet { header, body })
+    }
+
+    /// Reads and checks a plan file.
+    pub fn read(path: &Path) -> Result<PlanSet, FormatError> {
+        let bytes = std::fs::read(path).map_err(|source| FormatError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::from_bytes(&bytes, path)
+    }
+
+    /// Refuses a plan built for another config, arch or kernel sources, naming what differs.
+    pub fn check_matches(
+        &self,
+        cfg: &crate::ModelConfig,
+        arch: &str,
+        kernel_source_hash: Option<&str>,
+    ) -> Result<(), FormatError> {
+        let want = config_hash(cfg);
+        if self.header.config_hash != want {
+            return Err(FormatError::Mismatch {
+                what: "config",
+                found: self.header.config_hash.clone(),
+                expected: want,
+            });
+        }
+        if self.header.arch != arch {
+            return Err(FormatError::Mismatch {
+                what: "arch",
+                found: self.header.arch.clone(),
+                expected: arch.into(),
+            });
+        }
+        if let Some(k) = kernel_source_hash {
+            if self.header.kernel_source_hash != k {
+                return Err(FormatError::Mismatch {
+                    what: "kernel sources",
+                    found: self.header.kernel_source_hash.clone(),
+                    expected: k.into(),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Writes `bytes` to `path` atomically (temporary file in the same folder, fsync, rename).
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), FormatError> {
+    let io = |source| FormatError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir).map_err(io)?;
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "plan".into());
+    let tmp = dir.join(format!(".{name}.tmp{}", std::process::id()));
+    let result = (|| {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result.map_err(io)
+}

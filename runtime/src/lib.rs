@@ -1,0 +1,2 @@
+pub mod copy_index;
+pub mod sampler;
