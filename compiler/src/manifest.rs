@@ -76,7 +76,10 @@ fn layer_tensors(
         let heads = cfg.ple_heads() as u64;
         add(
             "ple.ple_embedding.ngram_embedding.weight",
-            &[ple_table_rows(cfg, ple_index.unwrap_or(0)), pd / heads],
+            &[
+                flashplan_plan::ple::table_rows(cfg, ple_index.unwrap_or(0)),
+                pd / heads,
+            ],
         );
         add("ple.key_proj.weight", &[hc, pd]);
         add("ple.value_proj.weight", &[d, pd]);
@@ -152,54 +155,6 @@ fn layer_tensors(
     add("mlp.shared_expert.down_proj.weight", &[d, is]);
     add("mlp.shared_expert_gate.weight", &[1, d]);
     t
-}
-
-/// Is `n` prime (trial division; n is at most a few hundred million).
-fn is_prime(n: u64) -> bool {
-    if n < 2 {
-        return false;
-    }
-    if n % 2 == 0 {
-        return n == 2;
-    }
-    let mut d = 3;
-    while d * d <= n {
-        if n % d == 0 {
-            return false;
-        }
-        d += 2;
-    }
-    true
-}
-
-/// PLE head vocab sizes and offsets of one PLE layer (`Qwen4ExpTextNGramEmbedding.__init__`): head `j` of the model
-/// (`ple_index * heads + local`) has the `(j+1)`-th prime after `ngram_vocab_size_base - 1`.
-pub fn ple_head_sizes(cfg: &ModelConfig, ple_index: u32) -> (Vec<u64>, Vec<u64>) {
-    let heads = cfg.ple_heads() as u64;
-    let mut sizes = Vec::new();
-    let mut offsets = Vec::new();
-    let mut prime = cfg.ngram_vocab_size_base - 1;
-    let first = ple_index as u64 * heads;
-    let mut total = 0;
-    for global in 0..first + heads {
-        prime += 1;
-        while !is_prime(prime) {
-            prime += 1;
-        }
-        if global >= first {
-            sizes.push(prime);
-            offsets.push(total);
-            total += prime;
-        }
-    }
-    (sizes, offsets)
-}
-
-/// Rows of a PLE layer's table: the total head vocab padded to `make_ngram_vocab_size_divisible_by`.
-pub fn ple_table_rows(cfg: &ModelConfig, ple_index: u32) -> u64 {
-    let (sizes, _) = ple_head_sizes(cfg, ple_index);
-    let total: u64 = sizes.iter().sum();
-    total.div_ceil(cfg.make_ngram_vocab_size_divisible_by) * cfg.make_ngram_vocab_size_divisible_by
 }
 
 /// Builds the manifest: main weights, the MTP drafter as stored (when the config has one), its MXFP8 re-coded

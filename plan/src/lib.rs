@@ -8,6 +8,7 @@ pub mod desc;
 pub mod format;
 pub mod ops;
 pub mod plan;
+pub mod ple;
 pub mod validate;
 
 pub use config::{ConfigError, GateAct, LayerKind, ModelConfig, StorageForm};

@@ -161,35 +161,49 @@ fn by_rank(a: &(f32, u32), b: &(f32, u32)) -> Ordering {
     b.0.total_cmp(&a.0).then(a.1.cmp(&b.1))
 }
 
-/// The lowest-id maximum of `logits` (NaN never wins unless every logit is NaN, then 0).
-fn argmax_lowest(logits: &[f32]) -> u32 {
-    let mut best = 0usize;
-    let mut best_l = f32::NEG_INFINITY;
-    let mut found = false;
-    for (i, &l) in logits.iter().enumerate() {
-        let l = key(l);
-        if !found || l > best_l {
-            best = i;
-            best_l = l;
-            found = true;
+/// The largest logit, NaN ignored (`-inf` when there is none). Lane-wise so that it vectorises.
+fn max_logit(logits: &[f32]) -> f32 {
+    const LANES: usize = 16;
+    let mut acc = [f32::NEG_INFINITY; LANES];
+    let chunks = logits.chunks_exact(LANES);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for j in 0..LANES {
+            acc[j] = if c[j] > acc[j] { c[j] } else { acc[j] };
         }
     }
-    best as u32
+    let mut m = f32::NEG_INFINITY;
+    for &l in acc.iter().chain(rest) {
+        if l > m {
+            m = l;
+        }
+    }
+    m
+}
+
+/// The lowest-id maximum of `logits`; NaN counts as `-inf`, so with no number at all the answer is 0.
+fn argmax_lowest(logits: &[f32]) -> u32 {
+    let m = max_logit(logits);
+    if m == f32::NEG_INFINITY {
+        return 0;
+    }
+    logits.iter().position(|&l| l == m).unwrap_or(0) as u32
+}
+
+/// The Gumbel-max score of one candidate: `logit / T - ln(-ln u)` in f64 (rounds.md section 4).
+#[inline]
+fn score(l: f32, t: f64, seed: u64, position: u64, id: u32) -> f64 {
+    f64::from(key(l)) / t + gumbel(seed, position, id)
 }
 
 /// Gumbel-max over `(logit, id)` candidates given in any order: argmax of `logit/T - ln(-ln u)`,
-/// ties to the lower id.
-fn gumbel_max<I: Iterator<Item = (f32, u32)>>(
-    cands: I,
-    inv_t: f64,
-    seed: u64,
-    position: u64,
-) -> u32 {
+/// ties to the lower id; 0 when there is no candidate.
+fn gumbel_max<I: Iterator<Item = (f32, u32)>>(cands: I, t: f64, seed: u64, position: u64) -> u32 {
     let mut best_id = u32::MAX;
     let mut best = f64::NEG_INFINITY;
     let mut found = false;
     for (l, id) in cands {
-        let s = f64::from(key(l)) * inv_t + gumbel(seed, position, id);
+        let s = score(l, t, seed, position, id);
         if !found || s > best || (s == best && id < best_id) {
             best = s;
             best_id = id;
@@ -203,6 +217,50 @@ fn gumbel_max<I: Iterator<Item = (f32, u32)>>(
     }
 }
 
+/// An upper bound of the Gumbel noise over every `u` [`uniform`] can return: `u <= 1 - 2^-54`, so
+/// `-ln(-ln u) <= -ln(1 - u) <= 54 ln 2 < 37.5`.
+const GUMBEL_MAX: f64 = 37.5;
+
+/// Gumbel-max over every id of `logits`, equal to [`gumbel_max`] over all of them but pruned: a
+/// candidate is skipped, without its logarithms, when an upper bound of its score is below the best
+/// score so far. Bounds: `-ln(-ln u) <= -ln(1 - u) <= -e ln 2` where `2^e <= 1 - u` (from the exponent
+/// bits), and `GUMBEL_MAX` before `u` is even computed. Skips are strict (with a margin far above the
+/// rounding error), so ties are still resolved exactly.
+fn gumbel_max_all(logits: &[f32], t: f64, seed: u64, position: u64) -> u32 {
+    let m = max_logit(logits);
+    if !m.is_finite() {
+        // No number, or an infinite logit: the first id holding the extreme value wins.
+        return argmax_lowest(logits);
+    }
+    let inv_t = 1.0 / t;
+    let first = argmax_lowest(logits);
+    let mut best_id = first;
+    let mut best = score(m, t, seed, position, first);
+    let mut cut = best - 1e-6 * (1.0 + best.abs());
+    for (i, &l) in logits.iter().enumerate() {
+        if !(l >= -f32::MAX) {
+            continue; // NaN or -inf: score -inf, never above a finite best
+        }
+        let lt = f64::from(l) * inv_t;
+        if lt + GUMBEL_MAX < cut {
+            continue;
+        }
+        let id = i as u32;
+        let u = uniform(seed, position, id);
+        let e = (((1.0 - u).to_bits() >> 52) & 0x7ff) as i64 - 1023;
+        if lt + (-e) as f64 * std::f64::consts::LN_2 < cut {
+            continue;
+        }
+        let s = f64::from(l) / t - (-u.ln()).ln();
+        if s > best || (s == best && id < best_id) {
+            best = s;
+            best_id = id;
+            cut = best - 1e-6 * (1.0 + best.abs());
+        }
+    }
+    best_id
+}
+
 /// Samples the token for one row (rounds.md section 4).
 ///
 /// - `logits`: the row's `V` logits (f32, one per token id; `V = 248320` at full size).
@@ -211,14 +269,16 @@ fn gumbel_max<I: Iterator<Item = (f32, u32)>>(
 ///
 /// Greedy (`temperature == 0`) returns the lowest-id maximum. Otherwise the candidates are ordered by
 /// (logit descending, id ascending) and cut to the first `top_k`; with `p_i = softmax(logit_i / T)` over
-/// those candidates (computed in f64), top-p keeps the shortest prefix whose cumulative mass reaches
-/// `top_p` and min-p keeps those with `p_i >= min_p * max p`. The sample is the argmax over the kept
-/// candidates of `logit / T - ln(-ln u(seed, position, id))`, ties to the lower id.
+/// those candidates (computed in f64 with max subtraction, the sum in id order), top-p keeps the
+/// shortest prefix whose cumulative mass reaches `top_p` and min-p keeps those with
+/// `p_i >= min_p * max p`. The sample is the argmax over the kept candidates of
+/// `logit / T - ln(-ln u(seed, position, id))`, ties to the lower id.
 ///
-/// NaN logits count as negative infinity. An empty `logits` gives 0. Cost: O(V) without filters,
-/// O(V + k log k) with top-k, O(V + m log m) with top-p / min-p where `m` is the number of candidates
-/// above a mass threshold (a full sort only in degenerate flat distributions). Parameters are assumed
-/// validated ([`SamplingParams::validate`]); out-of-range values do not panic.
+/// NaN logits count as negative infinity. An empty `logits` gives 0. Cost: O(V) in every case; without
+/// filters no sort and (by pruning) few logarithms; with top-k a selection plus O(k log k); with top-p /
+/// min-p one `exp` per candidate plus a sort of only the candidates near the cut (found from a histogram
+/// of probability exponents). Parameters are assumed validated ([`SamplingParams::validate`]);
+/// out-of-range values do not panic.
 pub fn sample(logits: &[f32], params: &SamplingParams, position: u64) -> u32 {
     if logits.is_empty() {
         return 0;
@@ -227,7 +287,7 @@ pub fn sample(logits: &[f32], params: &SamplingParams, position: u64) -> u32 {
         return argmax_lowest(logits);
     }
     let v = logits.len();
-    let inv_t = 1.0 / f64::from(params.temperature);
+    let t = f64::from(params.temperature);
     let seed = params.seed;
     let k = params.top_k as usize;
     let use_k = k > 0 && k < v;
@@ -236,15 +296,10 @@ pub fn sample(logits: &[f32], params: &SamplingParams, position: u64) -> u32 {
 
     if !use_k && !use_p && !use_min {
         // Plain Gumbel-max over every id: no sort, no allocation.
-        return gumbel_max(
-            logits.iter().enumerate().map(|(i, &l)| (l, i as u32)),
-            inv_t,
-            seed,
-            position,
-        );
+        return gumbel_max_all(logits, t, seed, position);
     }
 
-    // Candidates (logit, id), NaN mapped to -inf.
+    // Candidates (logit, id), NaN mapped to -inf; in id order unless cut by top-k.
     let mut cands: Vec<(f32, u32)> = logits
         .iter()
         .enumerate()
@@ -253,75 +308,93 @@ pub fn sample(logits: &[f32], params: &SamplingParams, position: u64) -> u32 {
     if use_k {
         cands.select_nth_unstable_by(k - 1, by_rank);
         cands.truncate(k);
+        cands.sort_unstable_by_key(|c| c.1);
     }
     if !use_p && !use_min {
-        return gumbel_max(cands.iter().copied(), inv_t, seed, position);
+        return gumbel_max(cands.iter().copied(), t, seed, position);
     }
 
-    // Softmax over the candidates, in f64 with max subtraction. The sum runs in id order so that its
-    // bits do not depend on which code path ordered the candidates.
+    // Softmax weights over the candidates, in f64 with max subtraction; the sum runs in id order.
     let max_l = cands.iter().fold(f32::NEG_INFINITY, |m, c| m.max(c.0));
     if !max_l.is_finite() {
         // All -inf (or an +inf logit): the distribution is degenerate; take the best candidate.
         return cands.iter().copied().min_by(by_rank).map_or(0, |c| c.1);
     }
-    let max_l = f64::from(max_l);
-    let weight = |l: f32| ((f64::from(l) - max_l) * inv_t).exp();
-    let z: f64 = if use_k {
-        let mut ids: Vec<(u32, f32)> = cands.iter().map(|&(l, id)| (id, l)).collect();
-        ids.sort_unstable_by_key(|c| c.0);
-        ids.iter().map(|&(_, l)| weight(l)).sum()
-    } else {
-        logits.iter().map(|&l| weight(key(l))).sum()
-    };
-    let prob = |l: f32| weight(l) / z;
-    let p_max = prob(max_l as f32);
-    let min_keep = f64::from(params.min_p) * p_max;
-
-    // Both filters keep a prefix of the ranked candidates (p is monotone in the logit), so only the
-    // candidates above a mass threshold need sorting: those below it carry at most n * t of mass, and
-    // min-p never keeps anything below `min_keep`.
-    let n = cands.len();
+    let max_f = f64::from(max_l);
+    let weight = |l: f32| ((f64::from(l) - max_f) / t).exp();
+    let w: Vec<f64> = cands.iter().map(|c| weight(c.0)).collect();
+    let z: f64 = w.iter().sum();
+    let min_keep = f64::from(params.min_p) * (weight(max_l) / z);
     let top_p = f64::from(params.top_p);
-    let mut thresh = if use_p {
-        ((1.0 - top_p) / n as f64) * 0.5
-    } else {
-        0.0
-    };
-    if use_min {
-        thresh = thresh.max(min_keep);
-    }
-    let mut head: Vec<(f32, u32)> = cands
-        .iter()
-        .copied()
-        .filter(|c| prob(c.0) >= thresh)
-        .collect();
-    let head_mass: f64 = head.iter().map(|c| prob(c.0)).sum();
-    if use_p && head_mass < top_p && !(use_min && thresh == min_keep) {
-        // The threshold cut too much (rounding): rank every candidate.
-        head = cands;
-    }
-    head.sort_unstable_by(by_rank);
 
-    let mut kept = head.len();
+    // Both filters keep a prefix of the ranked candidates (p is monotone in the logit), so only a
+    // prefix needs ranking. A histogram of the weights by binary exponent finds a logit bound whose
+    // candidates hold at least `top_p` of the mass; min-p drops everything below `min_keep` outright.
+    let mut floor = f32::NEG_INFINITY;
     if use_p {
-        let mut cum = 0.0f64;
-        for (i, c) in head.iter().enumerate() {
-            cum += prob(c.0);
-            if cum >= top_p {
-                kept = i + 1;
+        const BUCKETS: usize = 1100;
+        let bucket =
+            |x: f64| ((1023 - ((x.to_bits() >> 52) & 0x7ff) as i64).clamp(0, 1099)) as usize;
+        let mut mass = [0.0f64; BUCKETS];
+        for &x in &w {
+            mass[bucket(x)] += x;
+        }
+        let target = top_p * z * (1.0 + 1e-9);
+        let mut cum = 0.0;
+        let mut last = BUCKETS - 1;
+        for (b, &m) in mass.iter().enumerate() {
+            cum += m;
+            if cum >= target {
+                last = b;
                 break;
             }
         }
+        if last < BUCKETS - 1 {
+            floor = cands
+                .iter()
+                .zip(&w)
+                .filter(|(_, &x)| bucket(x) <= last)
+                .fold(f32::INFINITY, |f, (c, _)| f.min(c.0));
+        }
     }
-    if use_min {
-        let m = head[..kept]
+    let rank_and_cut = |floor: f32| -> Option<Vec<(f32, u32)>> {
+        let mut head: Vec<(f32, u32, f64)> = cands
             .iter()
-            .take_while(|c| prob(c.0) >= min_keep)
-            .count();
-        kept = m.max(1);
+            .zip(&w)
+            .filter(|(c, &x)| c.0 >= floor && x / z >= min_keep)
+            .map(|(c, &x)| (c.0, c.1, x / z))
+            .collect();
+        head.sort_unstable_by(|a, b| by_rank(&(a.0, a.1), &(b.0, b.1)));
+        let mut kept = head.len();
+        if use_p {
+            let mut cum = 0.0f64;
+            let mut reached = false;
+            for (i, c) in head.iter().enumerate() {
+                cum += c.2;
+                if cum >= top_p {
+                    kept = i + 1;
+                    reached = true;
+                    break;
+                }
+            }
+            if !reached && floor > f32::NEG_INFINITY && !use_min {
+                return None; // the bound cut too much (rounding): rank everything
+            }
+        }
+        if use_min {
+            kept = head[..kept].iter().take_while(|c| c.2 >= min_keep).count();
+        }
+        kept = kept.max(1).min(head.len());
+        Some(head[..kept].iter().map(|c| (c.0, c.1)).collect())
+    };
+    let kept = match rank_and_cut(floor) {
+        Some(kept) => kept,
+        None => rank_and_cut(f32::NEG_INFINITY).unwrap_or_default(),
+    };
+    if kept.is_empty() {
+        return cands.iter().copied().min_by(by_rank).map_or(0, |c| c.1);
     }
-    gumbel_max(head[..kept].iter().copied(), inv_t, seed, position)
+    gumbel_max(kept.into_iter(), t, seed, position)
 }
 
 /// The softmax probability of `token` at temperature 1 (used by the MTP confidence rule, rounds.md
