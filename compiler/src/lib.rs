@@ -2,8 +2,10 @@
 //! validated, serialized plan set (`architecture.md`).
 #![warn(missing_docs)]
 
+pub mod checkpoint;
 pub mod deps;
 pub mod graph;
+pub mod inspect;
 pub mod launch;
 pub mod manifest;
 pub mod memory;
@@ -14,7 +16,15 @@ use flashplan_plan::{
     VariantKind,
 };
 
+pub use inspect::{inspect_path, report_human, report_json, InspectOptions};
 pub use manifest::FormSource;
+
+/// The arch to compile for when none is given. GPU detection comes with the CUDA backend (it needs the driver,
+/// which this crate does not link); until then the default is the CPU backend, `cpu`, and `--arch sm_90a` is
+/// given explicitly for the GPU.
+pub fn default_arch() -> &'static str {
+    "cpu"
+}
 
 /// The compiler's version, recorded in every plan header.
 pub const COMPILER_VERSION: &str = env!("CARGO_PKG_VERSION");

@@ -397,8 +397,11 @@ impl ModelConfig {
                 for item in items {
                     let id = item
                         .as_u64()
-                        .ok_or_else(|| field_err("ple_layer_ids", item, "integers"))?;
-                    ids.push(id as u32);
+                        .and_then(|v| u32::try_from(v).ok())
+                        .ok_or_else(|| {
+                            field_err("ple_layer_ids", item, "one-indexed layer ids (integers)")
+                        })?;
+                    ids.push(id);
                 }
                 ids.sort_unstable();
                 ids.dedup();

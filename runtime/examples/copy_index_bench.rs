@@ -39,8 +39,8 @@ fn context(len: usize, seed: u64) -> (Vec<u32>, usize) {
     let mut out: Vec<u32> = Vec::with_capacity(len);
     let mut copied = 0usize;
     while out.len() < len {
-        // A copy starts with probability 1/240 per fresh token; mean span 48 -> ~20% copied.
-        if out.len() > 1000 && rng.below(240) == 0 {
+        // A copy starts with probability 1/190 per fresh token; mean span 48 -> ~20% copied.
+        if out.len() > 1000 && rng.below(190) == 0 {
             let span = 16 + rng.below(65) as usize;
             let from = rng.below((out.len() - span) as u64) as usize;
             for i in 0..span {

@@ -144,6 +144,32 @@ impl Default for SamplingParams {
     }
 }
 
+impl From<flashplan_plan::SamplingParams> for SamplingParams {
+    /// The same fields, from the round descriptor's copy (`flashplan_plan::desc::SamplingParams`).
+    fn from(p: flashplan_plan::SamplingParams) -> Self {
+        SamplingParams {
+            temperature: p.temperature,
+            top_k: p.top_k,
+            top_p: p.top_p,
+            min_p: p.min_p,
+            seed: p.seed,
+        }
+    }
+}
+
+impl From<SamplingParams> for flashplan_plan::SamplingParams {
+    /// The same fields, into the round descriptor's copy (`flashplan_plan::desc::SamplingParams`).
+    fn from(p: SamplingParams) -> Self {
+        flashplan_plan::SamplingParams {
+            temperature: p.temperature,
+            top_k: p.top_k,
+            top_p: p.top_p,
+            min_p: p.min_p,
+            seed: p.seed,
+        }
+    }
+}
+
 /// A logit as used for ordering: NaN counts as negative infinity (never chosen over a number), and
 /// -0.0 as 0.0 (so `total_cmp` ranks them equal, like `==`).
 #[inline]
@@ -182,12 +208,66 @@ fn max_logit(logits: &[f32]) -> f32 {
 }
 
 /// The lowest-id maximum of `logits`; NaN counts as `-inf`, so with no number at all the answer is 0.
+/// One lane-wise pass (value and first index per lane) so that it vectorises.
 fn argmax_lowest(logits: &[f32]) -> u32 {
-    let m = max_logit(logits);
-    if m == f32::NEG_INFINITY {
-        return 0;
+    const LANES: usize = 16;
+    let mut acc = [f32::NEG_INFINITY; LANES];
+    let mut idx = [u32::MAX; LANES];
+    let chunks = logits.chunks_exact(LANES);
+    let rest_at = logits.len() - chunks.remainder().len();
+    for (ci, c) in chunks.enumerate() {
+        let base = (ci * LANES) as u32;
+        for j in 0..LANES {
+            let better = c[j] > acc[j];
+            acc[j] = if better { c[j] } else { acc[j] };
+            idx[j] = if better { base + j as u32 } else { idx[j] };
+        }
     }
-    logits.iter().position(|&l| l == m).unwrap_or(0) as u32
+    let mut best = f32::NEG_INFINITY;
+    let mut best_i = u32::MAX;
+    let tail = logits[rest_at..]
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| (l, (rest_at + i) as u32));
+    for (l, i) in acc.iter().copied().zip(idx).chain(tail) {
+        if l > best || (l == best && l > f32::NEG_INFINITY && i < best_i) {
+            best = l;
+            best_i = i;
+        }
+    }
+    if best_i == u32::MAX {
+        0
+    } else {
+        best_i
+    }
+}
+
+/// The top `k` candidates `(logit, id)` by (logit descending, id ascending), in no particular order
+/// (`0 < k < logits.len()`). Scans once with a growing threshold: a logit at or below the current k-th
+/// best is skipped with one comparison (ids only grow, so an equal logit ranks below it).
+fn top_k_candidates(logits: &[f32], k: usize) -> Vec<(f32, u32)> {
+    let cap = (4 * k).max(4096);
+    let mut buf: Vec<(f32, u32)> = Vec::with_capacity(cap);
+    let mut thr = f32::NEG_INFINITY;
+    let mut have_thr = false;
+    for (i, &l) in logits.iter().enumerate() {
+        let l = key(l);
+        if have_thr && l <= thr {
+            continue;
+        }
+        buf.push((l, i as u32));
+        if buf.len() == cap {
+            buf.select_nth_unstable_by(k - 1, by_rank);
+            buf.truncate(k);
+            thr = buf[k - 1].0;
+            have_thr = true;
+        }
+    }
+    if buf.len() > k {
+        buf.select_nth_unstable_by(k - 1, by_rank);
+        buf.truncate(k);
+    }
+    buf
 }
 
 /// The Gumbel-max score of one candidate: `logit / T - ln(-ln u)` in f64 (rounds.md section 4).
@@ -238,8 +318,8 @@ fn gumbel_max_all(logits: &[f32], t: f64, seed: u64, position: u64) -> u32 {
     let mut best = score(m, t, seed, position, first);
     let mut cut = best - 1e-6 * (1.0 + best.abs());
     for (i, &l) in logits.iter().enumerate() {
-        if !(l >= -f32::MAX) {
-            continue; // NaN or -inf: score -inf, never above a finite best
+        if l.is_nan() || l == f32::NEG_INFINITY {
+            continue; // score -inf, never above a finite best
         }
         let lt = f64::from(l) * inv_t;
         if lt + GUMBEL_MAX < cut {
@@ -283,7 +363,8 @@ pub fn sample(logits: &[f32], params: &SamplingParams, position: u64) -> u32 {
     if logits.is_empty() {
         return 0;
     }
-    if params.is_greedy() || !(params.temperature > 0.0) {
+    // Greedy also covers a negative or NaN temperature (rejected by `validate`).
+    if params.is_greedy() || params.temperature.is_nan() || params.temperature < 0.0 {
         return argmax_lowest(logits);
     }
     let v = logits.len();
@@ -299,17 +380,18 @@ pub fn sample(logits: &[f32], params: &SamplingParams, position: u64) -> u32 {
         return gumbel_max_all(logits, t, seed, position);
     }
 
-    // Candidates (logit, id), NaN mapped to -inf; in id order unless cut by top-k.
-    let mut cands: Vec<(f32, u32)> = logits
-        .iter()
-        .enumerate()
-        .map(|(i, &l)| (key(l), i as u32))
-        .collect();
-    if use_k {
-        cands.select_nth_unstable_by(k - 1, by_rank);
-        cands.truncate(k);
-        cands.sort_unstable_by_key(|c| c.1);
-    }
+    // Candidates (logit, id) in id order, NaN mapped to -inf.
+    let cands: Vec<(f32, u32)> = if use_k {
+        let mut c = top_k_candidates(logits, k);
+        c.sort_unstable_by_key(|c| c.1);
+        c
+    } else {
+        logits
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (key(l), i as u32))
+            .collect()
+    };
     if !use_p && !use_min {
         return gumbel_max(cands.iter().copied(), t, seed, position);
     }
@@ -377,7 +459,7 @@ pub fn sample(logits: &[f32], params: &SamplingParams, position: u64) -> u32 {
                     break;
                 }
             }
-            if !reached && floor > f32::NEG_INFINITY && !use_min {
+            if !reached && floor > f32::NEG_INFINITY {
                 return None; // the bound cut too much (rounding): rank everything
             }
         }
@@ -511,6 +593,13 @@ mod tests {
     }
 
     #[test]
+    fn converts_to_and_from_the_descriptor_copy() {
+        let p = params(0.7, 40, 0.9, 0.05, 99);
+        let d: flashplan_plan::SamplingParams = p.into();
+        assert_eq!(SamplingParams::from(d), p);
+    }
+
+    #[test]
     fn greedy_ties_to_lowest_id() {
         let logits = [1.0, 3.0, 2.0, 3.0, f32::NAN];
         assert_eq!(sample(&logits, &SamplingParams::greedy(), 5), 1);
@@ -571,6 +660,62 @@ mod tests {
                 }
             }
             assert_eq!(sample(&logits, &p, pos), best.1);
+        }
+    }
+
+    #[test]
+    fn top_k_scan_matches_full_sort() {
+        let mut logits = pseudo_logits(100_000, 13);
+        // Many equal logits around the cut, NaN and signed zeros.
+        for i in (0..logits.len()).step_by(7) {
+            logits[i] = 5.0;
+        }
+        logits[3] = f32::NAN;
+        logits[4] = -0.0;
+        for &k in &[1usize, 2, 40, 1000, 20_000, 99_999] {
+            let mut got = top_k_candidates(&logits, k);
+            got.sort_by(by_rank);
+            let mut all: Vec<(f32, u32)> = logits
+                .iter()
+                .enumerate()
+                .map(|(i, &l)| (key(l), i as u32))
+                .collect();
+            all.sort_by(by_rank);
+            all.truncate(k);
+            assert_eq!(got, all, "k {k}");
+        }
+        let tiny = [0.0f32, -0.0, 0.0, f32::NAN];
+        assert_eq!(argmax_lowest(&tiny), 0);
+        assert_eq!(argmax_lowest(&[f32::NAN, -0.0, 0.0]), 1);
+        let mut long = vec![1.0f32; 37];
+        long[35] = 2.0;
+        long[20] = 2.0;
+        assert_eq!(argmax_lowest(&long), 20);
+        long[2] = f32::INFINITY;
+        assert_eq!(argmax_lowest(&long), 2);
+        assert_eq!(argmax_lowest(&[f32::NEG_INFINITY, f32::NEG_INFINITY]), 0);
+    }
+
+    #[test]
+    fn pruned_gumbel_matches_literal_rule() {
+        // Full vocabulary, several temperatures, duplicated logits and NaN / -inf entries.
+        let mut logits = pseudo_logits(248_320, 21);
+        for i in (0..logits.len()).step_by(1000) {
+            logits[i] = logits[i + 1];
+        }
+        logits[5] = f32::NAN;
+        logits[6] = f32::NEG_INFINITY;
+        for &t in &[0.01f32, 0.3, 1.0, 2.0, 100.0] {
+            let p = params(t, 0, 1.0, 0.0, 42);
+            for pos in 0..8u64 {
+                let want = gumbel_max(
+                    logits.iter().enumerate().map(|(i, &l)| (l, i as u32)),
+                    f64::from(t),
+                    42,
+                    pos,
+                );
+                assert_eq!(sample(&logits, &p, pos), want, "T {t} pos {pos}");
+            }
         }
     }
 
@@ -643,7 +788,9 @@ mod tests {
             c.truncate(p.top_k as usize);
         }
         let m = f64::from(c[0].0);
-        let z: f64 = c.iter().map(|x| ((f64::from(x.0) - m) / t).exp()).sum();
+        let mut by_id = c.clone();
+        by_id.sort_by_key(|x| x.1);
+        let z: f64 = by_id.iter().map(|x| ((f64::from(x.0) - m) / t).exp()).sum();
         let pr: Vec<f64> = c
             .iter()
             .map(|x| ((f64::from(x.0) - m) / t).exp() / z)

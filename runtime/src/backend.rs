@@ -1,0 +1,40 @@
+//! The backend interface: one variant replay per call, over device-side round descriptors
+//! (`architecture.md`, "Backends"). The CPU reference and the CUDA backend implement it.
+
+use flashplan_plan::{IoBuf, PlanBody, RoundDesc, VariantKind};
+
+/// Errors replaying a variant.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    /// The plan has no variant of this kind (compile it with wider options).
+    #[error("the plan has no variant {0}; recompile the plans with wider --max-depth/--streams")]
+    NoVariant(String),
+    /// The descriptor does not fit the variant.
+    #[error("bad round descriptor: {0}")]
+    BadDescriptor(String),
+    /// A weight the variant reads was not loaded.
+    #[error("weight `{0}` is not loaded")]
+    MissingWeight(String),
+    /// A device error.
+    #[error("device: {0}")]
+    Device(String),
+}
+
+/// A backend that replays plan variants.
+pub trait Backend: Send {
+    /// The plan body it runs.
+    fn body(&self) -> &PlanBody;
+    /// Replays the variant of `kind` with this descriptor.
+    ///
+    /// # Errors
+    /// [`BackendError`] when the variant does not exist or the descriptor does not fit it.
+    fn run(&mut self, kind: VariantKind, desc: &RoundDesc) -> Result<(), BackendError>;
+    /// Reads an io buffer back (f32 elements; token ids and counts are u32 bit patterns).
+    fn io(&self, buf: IoBuf) -> &[f32];
+    /// Writes into an io buffer at an element offset (tests feed the MTP given residual streams).
+    fn write_io(&mut self, buf: IoBuf, offset: usize, data: &[f32]);
+    /// Clears a slot's state for a new stream (PLE history set to eos).
+    fn reset_slot(&mut self, slot: u32);
+    /// A copy of a slot's whole state (tests compare states after rounds).
+    fn slot_state(&self, slot: u32) -> Vec<f32>;
+}

@@ -1,0 +1,637 @@
+//! Checkpoint loader tests (`flash-next.md` section 10) against the trained `flashnext-tiny` checkpoint and
+//! synthetic variants of it written into temporary directories: refusals (missing tensor, wrong shape, wrong dtype,
+//! truncated shard, unexpected tensors, partial MTP, FP8/MXFP8, PLE buffers) and the other layouts (wrapper prefix,
+//! single file, stacked experts, differently sharded PLE table, MLX-style MTP names, `model.visual.*`).
+//!
+//! The plan is `tests/data/flashnext-tiny.fplan`, compiled from the checkpoint with
+//! `flashplan-compile --model flashnext-tiny --context 1024 --streams 1,2 --max-depth 3` (the runtime never depends
+//! on the compiler crate).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use flashplan_plan::{PlanBody, PlanSet, WeightGroup};
+use flashplan_runtime::checkpoint::{load_checkpoint, CheckpointError, HostWeights, LoadOptions};
+use safetensors::tensor::TensorView;
+use safetensors::{Dtype, SafeTensors};
+use serde_json::Value;
+
+const TINY: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../../shared/models/flashnext-tiny"
+);
+const PLAN: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/tests/data/flashnext-tiny.fplan"
+);
+const INDEX: &str = "model.safetensors.index.json";
+
+/// The checkpoint directory, or `None` (with the reason printed) when it is absent.
+fn tiny() -> Option<PathBuf> {
+    let p = PathBuf::from(TINY);
+    if p.join(INDEX).is_file() {
+        Some(p)
+    } else {
+        eprintln!("SKIP: {TINY} not present (the shared flashnext-tiny checkpoint)");
+        None
+    }
+}
+
+fn plan() -> PlanBody {
+    PlanSet::read(Path::new(PLAN)).expect("read test plan").body
+}
+
+/// One owned tensor of a safetensors file.
+#[derive(Clone)]
+struct T {
+    name: String,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    data: Vec<u8>,
+}
+
+fn read_st(path: &Path) -> Vec<T> {
+    let bytes = std::fs::read(path).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let mut v: Vec<T> = st
+        .tensors()
+        .into_iter()
+        .map(|(name, t)| T {
+            name,
+            dtype: t.dtype(),
+            shape: t.shape().to_vec(),
+            data: t.data().to_vec(),
+        })
+        .collect();
+    v.sort_by(|a, b| a.name.cmp(&b.name));
+    v
+}
+
+fn write_st(path: &Path, tensors: &[T]) {
+    let _ = std::fs::remove_file(path);
+    let views: Vec<(String, TensorView<'_>)> = tensors
+        .iter()
+        .map(|t| {
+            (
+                t.name.clone(),
+                TensorView::new(t.dtype, t.shape.clone(), &t.data).unwrap(),
+            )
+        })
+        .collect();
+    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+    std::fs::write(path, safetensors::serialize(views, Some(meta)).unwrap()).unwrap();
+}
+
+/// A copy of the checkpoint whose files are symlinks (rewritten ones become real files).
+fn copy_of(src: &Path) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for e in std::fs::read_dir(src).unwrap() {
+        let e = e.unwrap();
+        let name = e.file_name();
+        if name.to_string_lossy() == INDEX {
+            std::fs::copy(e.path(), dir.path().join(&name)).unwrap();
+        } else {
+            std::os::unix::fs::symlink(e.path(), dir.path().join(&name)).unwrap();
+        }
+    }
+    dir
+}
+
+fn read_index(dir: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(dir.join(INDEX)).unwrap()).unwrap()
+}
+
+fn write_index(dir: &Path, v: &Value) {
+    let p = dir.join(INDEX);
+    let _ = std::fs::remove_file(&p);
+    std::fs::write(p, serde_json::to_string_pretty(v).unwrap()).unwrap();
+}
+
+/// The shard holding an on-disk tensor.
+fn file_of(dir: &Path, tensor: &str) -> String {
+    read_index(dir)["weight_map"][tensor]
+        .as_str()
+        .unwrap_or_else(|| panic!("{tensor} not in index"))
+        .to_string()
+}
+
+/// Rewrites the shard holding `tensor` with `f` applied to its tensors, then fixes the index to match.
+fn edit_shard(dir: &Path, tensor: &str, f: impl FnOnce(&mut Vec<T>)) {
+    let file = file_of(dir, tensor);
+    let mut ts = read_st(&dir.join(&file));
+    let before: Vec<String> = ts.iter().map(|t| t.name.clone()).collect();
+    f(&mut ts);
+    write_st(&dir.join(&file), &ts);
+    let mut idx = read_index(dir);
+    let map = idx["weight_map"].as_object_mut().unwrap();
+    for n in before {
+        map.remove(&n);
+    }
+    for t in &ts {
+        map.insert(t.name.clone(), Value::String(file.clone()));
+    }
+    write_index(dir, &idx);
+}
+
+fn load(dir: &Path, body: &PlanBody) -> Result<HostWeights, CheckpointError> {
+    load_checkpoint(dir, body, &LoadOptions::default())
+}
+
+fn refusal(dir: &Path, body: &PlanBody) -> String {
+    match load(dir, body) {
+        Ok(_) => panic!("checkpoint in {} was accepted", dir.display()),
+        Err(e) => {
+            let msg = e.to_string();
+            eprintln!("refused: {msg}");
+            msg
+        }
+    }
+}
+
+fn bf16_row(t: &T, row: usize, cols: usize) -> Vec<f32> {
+    assert_eq!(t.dtype, Dtype::BF16);
+    t.data[row * cols * 2..(row + 1) * cols * 2]
+        .chunks_exact(2)
+        .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+        .collect()
+}
+
+fn tensor_in(dir: &Path, name: &str) -> T {
+    let file = file_of(dir, name);
+    read_st(&dir.join(file))
+        .into_iter()
+        .find(|t| t.name == name)
+        .unwrap()
+}
+
+fn get<'a>(w: &'a HostWeights, body: &PlanBody, name: &str) -> &'a [f32] {
+    w.get(body, name)
+        .unwrap_or_else(|| panic!("{name} not loaded"))
+}
+
+#[test]
+fn tiny_loads_fully_and_matches_the_files() {
+    let Some(src) = tiny() else { return };
+    let body = plan();
+    let w = load(&src, &body).unwrap();
+    assert!(w.has_mtp);
+    assert_eq!(w.tensors.len(), body.weights.len());
+    for (e, t) in body.weights.iter().zip(&w.tensors) {
+        match e.group {
+            WeightGroup::Main | WeightGroup::Mtp => {
+                let t = t
+                    .as_ref()
+                    .unwrap_or_else(|| panic!("{} not loaded", e.name));
+                assert_eq!(t.len() as u64, e.numel(), "{}", e.name);
+            }
+            WeightGroup::MtpMxfp8 | WeightGroup::HeadMxfp8 => assert!(t.is_none(), "{}", e.name),
+        }
+    }
+    let cfg = &body.config;
+    let (d, i, n_exp) = (
+        cfg.hidden_size as usize,
+        cfg.moe_intermediate_size as usize,
+        cfg.num_experts as usize,
+    );
+
+    // lm_head row 0 and the last row.
+    let head = tensor_in(&src, "lm_head.weight");
+    let got = get(&w, &body, "lm_head.weight");
+    assert_eq!(&got[..d], bf16_row(&head, 0, d).as_slice());
+    let v = cfg.vocab_size as usize;
+    assert_eq!(&got[(v - 1) * d..], bf16_row(&head, v - 1, d).as_slice());
+
+    // Expert 3 of layer 2: gate rows, then up rows, inside the stacked gate_up_proj; expert 5's down_proj.
+    let gate = tensor_in(&src, "model.layers.2.mlp.experts.3.gate_proj.weight");
+    let up = tensor_in(&src, "model.layers.2.mlp.experts.3.up_proj.weight");
+    let gu = get(&w, &body, "layers.2.mlp.experts.gate_up_proj");
+    assert_eq!(gu.len(), n_exp * 2 * i * d);
+    let base = 3 * 2 * i * d;
+    for r in [0, 1, i - 1] {
+        assert_eq!(
+            &gu[base + r * d..base + (r + 1) * d],
+            bf16_row(&gate, r, d).as_slice()
+        );
+        assert_eq!(
+            &gu[base + (i + r) * d..base + (i + r + 1) * d],
+            bf16_row(&up, r, d).as_slice()
+        );
+    }
+    let down = tensor_in(&src, "model.layers.2.mlp.experts.5.down_proj.weight");
+    let dn = get(&w, &body, "layers.2.mlp.experts.down_proj");
+    let base = 5 * d * i;
+    for r in [0, d - 1] {
+        assert_eq!(
+            &dn[base + r * i..base + (r + 1) * i],
+            bf16_row(&down, r, i).as_slice()
+        );
+    }
+
+    // PLE shard 1 row 0 sits right after shard 0 in the concatenated table.
+    let s0 = tensor_in(
+        &src,
+        "model.layers.1.ple.ple_embedding.ngram_embedding.shard_0.weight",
+    );
+    let s1 = tensor_in(
+        &src,
+        "model.layers.1.ple.ple_embedding.ngram_embedding.shard_1.weight",
+    );
+    let cols = s0.shape[1];
+    let table = get(
+        &w,
+        &body,
+        "layers.1.ple.ple_embedding.ngram_embedding.weight",
+    );
+    let r0 = s0.shape[0];
+    assert_eq!(&table[..cols], bf16_row(&s0, 0, cols).as_slice());
+    assert_eq!(
+        &table[r0 * cols..(r0 + 1) * cols],
+        bf16_row(&s1, 0, cols).as_slice()
+    );
+    assert_eq!(table.len(), (s0.shape[0] + s1.shape[0]) * cols);
+
+    // MTP stacked experts as stored.
+    let mg = tensor_in(&src, "mtp.layers.0.mlp.experts.gate_up_proj");
+    let got = get(&w, &body, "mtp.layers.0.mlp.experts.gate_up_proj");
+    assert_eq!(
+        &got[7 * 2 * i * d..7 * 2 * i * d + d],
+        bf16_row(&mg, 7 * 2 * i, d).as_slice()
+    );
+}
+
+#[test]
+fn main_group_only_leaves_mtp_unloaded() {
+    let Some(src) = tiny() else { return };
+    let body = plan();
+    let opts = LoadOptions {
+        groups: vec![WeightGroup::Main],
+        progress: false,
+    };
+    let w = load_checkpoint(&src, &body, &opts).unwrap();
+    assert!(!w.has_mtp);
+    for (e, t) in body.weights.iter().zip(&w.tensors) {
+        assert_eq!(t.is_some(), e.group == WeightGroup::Main, "{}", e.name);
+    }
+}
+
+#[test]
+fn missing_tensor_is_refused() {
+    let Some(src) = tiny() else { return };
+    let body = plan();
+    let dir = copy_of(&src);
+    let name = "model.layers.3.self_attn.q_proj.weight";
+    edit_shard(dir.path(), name, |ts| ts.retain(|t| t.name != name));
+    let msg = refusal(dir.path(), &body);
+    assert!(
+        msg.contains("missing tensor layers.3.self_attn.q_proj.weight"),
+        "{msg}"
+    );
+    assert!(msg.contains(name), "{msg}");
+}
+
+#[test]
+fn missing_expert_is_refused() {
+    let Some(src) = tiny() else { return };
+    let body = plan();
+    let dir = copy_of(&src);
+    let name = "model.layers.0.mlp.experts.5.up_proj.weight";
+    edit_shard(dir.path(), name, |ts| ts.retain(|t| t.name != name));
+    let msg = refusal(dir.path(), &body);
+    assert!(msg.contains("layers.0.mlp.experts.gate_up_proj"), "{msg}");
+    assert!(msg.contains(name), "{msg}");
+}
+
+#[test]
+fn missing_shard_file_is_refused() {
+    let Some(src) = tiny() else { return };
+    let body = plan();
+    let dir = copy_of(&src);
+    std::fs::remove_file(dir.path().join("model-00003-of-00004.safetensors")).unwrap();
+    let msg = refusal(dir.path(), &body);
+    assert!(msg.contains("model-00003-of-00004.safetensors"), "{msg}");
+}
+
+#[test]
+fn wrong_shape_is_refused() {
+    let Some(src) = tiny() else { return };
+    let body = plan();
+    let dir = copy_of(&src);
+    let name = "model.layers.0.linear_attn.out_proj.weight";
+    edit_shard(dir.path(), name, |ts| {
+        let t = ts.iter_mut().find(|t| t.name == name).unwrap();
+        assert_eq!(t.shape, vec![256, 256]);
+        t.shape = vec![128, 512];
+    });
+    let msg = refusal(dir.path(), &body);
+    assert!(msg.contains(name), "{msg}");
+    assert!(
+        msg.contains("[128, 512]") && msg.contains("[256, 256]"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn wrong_expert_shape_is_refused() {
+    let Some(src) = tiny() else { return };
+    let body = plan();
+    let dir = copy_of(&src);
+    let name = "model.layers.4.mlp.experts.2.down_proj.weight";
+    edit_shard(dir.path(), name, |ts| {
+        let t = ts.iter_mut().find(|t| t.name == name).unwrap();
+        t.shape = vec![t.shape[1], t.shape[0]];
+    });
+    let msg = refusal(dir.path(), &body);
+    assert!(msg.contains(name) && msg.contains("[128, 256]"), "{msg}");
+}
+
+#[test]
+fn wrong_dtype_is_refused() {
+    let Some(src) = tiny() else { return };
+    let body = plan();
+    let dir = copy_of(&src);
+    let name = "model.layers.3.self_attn.q_norm.weight";
+    edit_shard(dir.path(), name, |ts| {
+        let t = ts.iter_mut().find(|t| t.name == name).unwrap();
+        t.dtype = Dtype::I16;
+    });
+    let msg = refusal(dir.path(), &body);
+    assert!(msg.contains(name) && msg.contains("I16"), "{msg}");
+}
+
+#[test]
+fn fp8_and_mxfp8_are_refused_by_name() {
+    let Some(src) = tiny() else { return };
+    let body = plan();
+    for (suffix, words) in [("_scale_inv", "FP8 block"), ("_scale", "MXFP8")] {
+        let dir = copy_of(&src);
+        let name = "model.layers.5.mlp.shared_expert.up_proj.weight";
+        edit_shard(dir.path(), name, |ts| {
+            let t = ts.iter_mut().find(|t| t.name == name).unwrap();
+            t.dtype = Dtype::F8_E4M3;
+            t.shape = vec![t.shape[0], t.shape[1] * 2];
+            let scale = T {
+                name: format!("{name}{suffix}"),
+                dtype: Dtype::U8,
+                shape: vec![t.shape[0], t.shape[1] / 32],
+                data: vec![127; t.shape[0] * t.shape[1] / 32],
+            };
+            ts.push(scale);
+        });
+        let msg = refusal(dir.path(), &body);
+        assert!(
+            msg.contains(&format!("tensor {name} is stored as {words}")),
+            "{msg}"
+        );
+        assert!(msg.contains("does not read yet"), "{msg}");
+    }
+}
+
+#[test]
+fn truncated_shard_is_refused() {
+    let Some(src) = tiny() else { return };
+    let body = plan();
+    let dir = copy_of(&src);
+    let file = "model-00002-of-00004.safetensors";
+    let bytes = std::fs::read(src.join(file)).unwrap();
+    std::fs::remove_file(dir.path().join(file)).unwrap();
+    std::fs::write(dir.path().join(file), &bytes[..bytes.len() - 1000]).unwrap();
+    let msg = refusal(dir.path(), &body);
+    assert!(msg.contains(file) && msg.contains("truncated"), "{msg}");
+}
+
+#[test]
+fn unexpected_layer_tensor_is_refused() {
+    let Some(src) = tiny() else { return };
+    let body = plan();
+    let dir = copy_of(&src);
+    let anchor = "model.layers.7.mlp.gate.weight";
+    let extra = "model.layers.99.foo.weight";
+    edit_shard(dir.path(), anchor, |ts| {
+        ts.push(T {
+            name: extra.into(),
+            dtype: Dtype::BF16,
+            shape: vec![4],
+            data: vec![0; 8],
+        })
+    });
+    let msg = refusal(dir.path(), &body);
+    assert!(msg.contains(&format!("unexpected tensor {extra}")), "{msg}");
+}
+
+#[test]
+fn unexpected_mtp_and_expert_tensors_are_refused() {
+    let Some(src) = tiny() else { return };
+    let body = plan();
+    for extra in [
+        "mtp.extra",
+        "model.layers.0.mlp.experts.8.gate_proj.weight",
+        "model.norm.weight",
+    ] {
+        let dir = copy_of(&src);
+        edit_shard(dir.path(), "mtp.fc_hidden.weight", |ts| {
+            ts.push(T {
+                name: extra.into(),
+                dtype: Dtype::BF16,
+                shape: vec![128, 256],
+                data: vec![0; 128 * 256 * 2],
+            })
+        });
+        let msg = refusal(dir.path(), &body);
+        assert!(msg.contains(&format!("unexpected tensor {extra}")), "{msg}");
+    }
+}
+
+#[test]
+fn partial_mtp_is_refused() {
+    let Some(src) = tiny() else { return };
+    let body = plan();
+    let dir = copy_of(&src);
+    edit_shard(dir.path(), "mtp.fc_hidden.weight", |ts| {
+        ts.retain(|t| !t.name.contains("self_attn"))
+    });
+    let msg = refusal(dir.path(), &body);
+    assert!(msg.contains("incomplete MTP drafter"), "{msg}");
+    assert!(msg.contains("mtp.layers.0.self_attn."), "{msg}");
+}
+
+#[test]
+fn no_mtp_loads_with_copy_drafts_only() {
+    let Some(src) = tiny() else { return };
+    let body = plan();
+    let dir = copy_of(&src);
+    std::fs::remove_file(dir.path().join("model-mtp.safetensors")).unwrap();
+    let mut idx = read_index(dir.path());
+    idx["weight_map"]
+        .as_object_mut()
+        .unwrap()
+        .retain(|k, _| !k.starts_with("mtp."));
+    write_index(dir.path(), &idx);
+    let w = load(dir.path(), &body).unwrap();
+    assert!(!w.has_mtp);
+    for (e, t) in body.weights.iter().zip(&w.tensors) {
+        assert_eq!(t.is_some(), e.group == WeightGroup::Main, "{}", e.name);
+    }
+}
+
+#[test]
+fn ple_buffer_mismatch_is_refused() {
+    let Some(src) = tiny() else { return };
+    let body = plan();
+    let dir = copy_of(&src);
+    let name = "model.layers.1.ple.ple_embedding.layer_multipliers";
+    edit_shard(dir.path(), name, |ts| {
+        let t = ts.iter_mut().find(|t| t.name == name).unwrap();
+        assert_eq!(t.dtype, Dtype::I64);
+        t.data[0] ^= 2;
+    });
+    let msg = refusal(dir.path(), &body);
+    assert!(msg.contains(name) && msg.contains("config gives"), "{msg}");
+}
+
+/// Wrapper prefix, one `model.safetensors` (no index), stacked experts everywhere, the PLE table in 3 shards of
+/// unequal rows, MLX-style `language_model.mtp.*`, and `model.visual.*` tensors: loads equal to the original layout.
+#[test]
+fn wrapper_single_file_stacked_layout_loads_the_same() {
+    let Some(src) = tiny() else { return };
+    let body = plan();
+    let reference = load(&src, &body).unwrap();
+    let cfg = &body.config;
+    let n_exp = cfg.num_experts as usize;
+
+    let mut all: Vec<T> = Vec::new();
+    let files: std::collections::BTreeSet<String> = read_index(&src)["weight_map"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|v| v.as_str().unwrap().to_string())
+        .collect();
+    for f in files {
+        all.extend(read_st(&src.join(f)));
+    }
+    let by_name: HashMap<String, T> = all.iter().map(|t| (t.name.clone(), t.clone())).collect();
+    let mut out: Vec<T> = Vec::new();
+    let mut stacked_done = std::collections::HashSet::new();
+    for t in &all {
+        let n = &t.name;
+        if let Some(pos) = n.find("mlp.experts.") {
+            let head = &n[..pos + "mlp.experts.".len()];
+            let rest = &n[head.len()..];
+            if rest.split('.').next().unwrap().parse::<usize>().is_ok() {
+                if stacked_done.insert(head.to_string()) {
+                    let mut gu = T {
+                        name: format!("{head}gate_up_proj"),
+                        dtype: Dtype::BF16,
+                        shape: vec![],
+                        data: vec![],
+                    };
+                    let mut dn = T {
+                        name: format!("{head}down_proj"),
+                        ..gu.clone()
+                    };
+                    for e in 0..n_exp {
+                        let g = &by_name[&format!("{head}{e}.gate_proj.weight")];
+                        let u = &by_name[&format!("{head}{e}.up_proj.weight")];
+                        let dw = &by_name[&format!("{head}{e}.down_proj.weight")];
+                        gu.data.extend(&g.data);
+                        gu.data.extend(&u.data);
+                        dn.data.extend(&dw.data);
+                        gu.shape = vec![n_exp, 2 * g.shape[0], g.shape[1]];
+                        dn.shape = vec![n_exp, dw.shape[0], dw.shape[1]];
+                    }
+                    for mut s in [gu, dn] {
+                        s.name = s.name.replacen("model.", "model.language_model.", 1);
+                        out.push(s);
+                    }
+                }
+                continue;
+            }
+        }
+        if n.contains("ngram_embedding.shard_") {
+            if n.ends_with("shard_0.weight") {
+                let s0 = t;
+                let s1 = &by_name[&n.replace("shard_0", "shard_1")];
+                let cols = s0.shape[1];
+                let mut rows = s0.data.clone();
+                rows.extend(&s1.data);
+                let total = s0.shape[0] + s1.shape[0];
+                let cuts = [0, 1000, total - 7, total];
+                for k in 0..3 {
+                    out.push(T {
+                        name: format!(
+                            "model.language_model.layers.1.ple.ple_embedding.ngram_embedding.shard_{k}.weight"
+                        ),
+                        dtype: Dtype::BF16,
+                        shape: vec![cuts[k + 1] - cuts[k], cols],
+                        data: rows[cuts[k] * cols * 2..cuts[k + 1] * cols * 2].to_vec(),
+                    });
+                }
+            }
+            continue;
+        }
+        let mut t = t.clone();
+        if let Some(rest) = n.strip_prefix("model.") {
+            t.name = format!("model.language_model.{rest}");
+        } else if n.starts_with("mtp.") {
+            t.name = format!("language_model.{n}");
+        }
+        out.push(t);
+    }
+    out.push(T {
+        name: "model.visual.patch_embed.proj.weight".into(),
+        dtype: Dtype::F32,
+        shape: vec![2, 3],
+        data: vec![0; 24],
+    });
+    let dir = tempfile::tempdir().unwrap();
+    write_st(&dir.path().join("model.safetensors"), &out);
+    let w = load(dir.path(), &body).unwrap();
+    assert!(w.has_mtp);
+    assert_eq!(w.tensors.len(), reference.tensors.len());
+    for ((e, a), b) in body.weights.iter().zip(&w.tensors).zip(&reference.tensors) {
+        assert!(a == b, "{} differs", e.name);
+    }
+}
+
+/// F32 and F16 storage convert to the same values as BF16 when they hold BF16-representable numbers.
+#[test]
+fn f32_and_f16_tensors_convert() {
+    let Some(src) = tiny() else { return };
+    let body = plan();
+    let reference = load(&src, &body).unwrap();
+    let dir = copy_of(&src);
+    let n32 = "model.layers.0.linear_attn.out_proj.weight";
+    let n16 = "model.layers.0.linear_attn.norm.weight";
+    edit_shard(dir.path(), n32, |ts| {
+        let t = ts.iter_mut().find(|t| t.name == n32).unwrap();
+        t.dtype = Dtype::F32;
+        t.data = t
+            .data
+            .chunks_exact(2)
+            .flat_map(|b| {
+                half::bf16::from_le_bytes([b[0], b[1]])
+                    .to_f32()
+                    .to_le_bytes()
+            })
+            .collect();
+        let t = ts.iter_mut().find(|t| t.name == n16).unwrap();
+        t.dtype = Dtype::F16;
+        t.data = t
+            .data
+            .chunks_exact(2)
+            .flat_map(|b| {
+                half::f16::from_f32(half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).to_le_bytes()
+            })
+            .collect();
+    });
+    let w = load(dir.path(), &body).unwrap();
+    let a = get(&w, &body, "layers.0.linear_attn.out_proj.weight");
+    assert_eq!(
+        a,
+        get(&reference, &body, "layers.0.linear_attn.out_proj.weight")
+    );
+    let b = get(&w, &body, "layers.0.linear_attn.norm.weight");
+    let r = get(&reference, &body, "layers.0.linear_attn.norm.weight");
+    for (x, y) in b.iter().zip(r) {
+        assert!((x - y).abs() <= 1e-3 * y.abs().max(1e-3), "{x} vs {y}");
+    }
+}
