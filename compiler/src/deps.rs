@@ -10,8 +10,8 @@ pub fn fill_deps(nodes: &mut [Node]) {
     let mut last_writer: HashMap<u32, u32> = HashMap::new();
     let mut readers: HashMap<u32, Vec<u32>> = HashMap::new();
     let mut last_state: HashMap<u32, u32> = HashMap::new();
-    for i in 0..nodes.len() {
-        let op = &nodes[i].op;
+    for (i, node) in nodes.iter_mut().enumerate() {
+        let op = &node.op;
         let mut deps = BTreeSet::new();
         for r in op.reads() {
             if let Some(w) = last_writer.get(&r.0) {
@@ -43,6 +43,6 @@ pub fn fill_deps(nodes: &mut [Node]) {
             last_state.insert(s.0, i32_);
         }
         deps.remove(&i32_);
-        nodes[i].deps = deps.into_iter().collect();
+        node.deps = deps.into_iter().collect();
     }
 }

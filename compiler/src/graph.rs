@@ -261,6 +261,7 @@ impl<'a> Builder<'a> {
     }
 
     /// Attention with the QSA indexer (section 6). `p`: weight prefix (`layers.3.self_attn`), `sp`: state prefix.
+    #[allow(clippy::too_many_arguments)]
     fn attention(
         &mut self,
         a: BufId,

@@ -161,6 +161,8 @@ pub fn compile(
     mut progress: impl FnMut(usize, usize),
 ) -> Result<PlanSet, CompileError> {
     let mut options = options.clone();
+    // One stream is always planned: prefill absorbs and lone MTP steps use it.
+    options.streams.push(1);
     options.streams.sort_unstable();
     options.streams.dedup();
     check_options(&options)?;

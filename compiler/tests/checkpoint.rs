@@ -8,8 +8,15 @@ use flashplan_compiler::checkpoint::{canonical_name, forms_from_model_dir};
 use flashplan_compiler::manifest::build_manifest;
 use flashplan_plan::{ModelConfig, StorageForm, WeightGroup};
 
+/// The demo checkpoint: in the repository, or beside the clone in `../shared/`.
 fn tiny_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/models/flashnext-tiny")
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let repo = root.join("models/flashnext-tiny");
+    if repo.join("config.json").exists() {
+        repo
+    } else {
+        root.join("../shared/models/flashnext-tiny")
+    }
 }
 
 #[test]

@@ -543,10 +543,18 @@ fn check_ple_buffer(
     Ok(())
 }
 
+/// The opened files of a checkpoint.
+struct Opened {
+    /// The files, mapped.
+    shards: Vec<Shard>,
+    /// On-disk tensor name -> index into `shards`.
+    names: Vec<(String, usize)>,
+    /// The shard index, when sharded.
+    index: Option<PathBuf>,
+}
+
 /// Opens the checkpoint's files and returns them with the on-disk tensor name -> file index map.
-fn open_files(
-    dir: &Path,
-) -> Result<(Vec<Shard>, Vec<(String, usize)>, Option<PathBuf>), CheckpointError> {
+fn open_files(dir: &Path) -> Result<Opened, CheckpointError> {
     let io = |path: &Path| {
         let path = path.to_path_buf();
         move |source| CheckpointError::Io { path, source }
@@ -601,7 +609,11 @@ fn open_files(
             };
             names.push((tensor.clone(), idx));
         }
-        return Ok((shards, names, Some(index_path)));
+        return Ok(Opened {
+            shards,
+            names,
+            index: Some(index_path),
+        });
     }
     let single = dir.join(SINGLE_FILE);
     if single.is_file() {
@@ -613,7 +625,11 @@ fn open_files(
             }
         })?;
         let names = st.names().into_iter().map(|n| (n.to_string(), 0)).collect();
-        return Ok((vec![shard], names, None));
+        return Ok(Opened {
+            shards: vec![shard],
+            names,
+            index: None,
+        });
     }
     Err(CheckpointError::NoCheckpoint {
         dir: dir.to_path_buf(),
@@ -636,7 +652,11 @@ pub fn load_checkpoint(
     opts: &LoadOptions,
 ) -> Result<HostWeights, CheckpointError> {
     let cfg = &body.config;
-    let (shards, names, index_path) = open_files(dir)?;
+    let Opened {
+        shards,
+        names,
+        index: index_path,
+    } = open_files(dir)?;
     let mut parsed: Vec<SafeTensors<'_>> = Vec::with_capacity(shards.len());
     for s in &shards {
         parsed.push(SafeTensors::deserialize(&s.map).map_err(|source| {
@@ -865,9 +885,10 @@ fn order_pieces(
             Piece::PleShard { k } if k as usize == expect_k => out.push(n.clone()),
             _ => {
                 let head = name.strip_suffix(PLE_TABLE).unwrap_or("");
-                return Err(missing(disk_candidates(&format!(
-                    "{head}{PLE_SHARD}{expect_k}.weight"
-                ))));
+                return Err(missing(
+                    format!("{name} (shard {expect_k})"),
+                    disk_candidates(&format!("{head}{PLE_SHARD}{expect_k}.weight")),
+                ));
             }
         }
     }

@@ -6,4 +6,5 @@ pub mod backend;
 pub mod checkpoint;
 pub mod copy_index;
 pub mod cpu;
+pub mod engine;
 pub mod sampler;

@@ -197,7 +197,11 @@ impl CpuBackend {
             }
             Op::GatherRows { src, out, width } => {
                 let w = *width as usize;
-                let s_buf = self.read(v, *src);
+                // The source is the previous variant's output: read the whole io buffer, whatever its shape here.
+                let s_buf = match v.buf(*src).space {
+                    Space::Io(io) => self.io[&io].clone(),
+                    Space::Arena => self.read(v, *src),
+                };
                 let o = self.write(v, *out);
                 for &(s, j, r) in &real {
                     let from = desc.streams[s].src_row as usize + j;
