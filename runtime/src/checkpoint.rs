@@ -19,8 +19,11 @@
 //!   along rows in shard order into `ple.ple_embedding.ngram_embedding.weight`; or unsharded. The derived buffers
 //!   `layer_multipliers`, `ngram_heads_vocab_sizes` and `ngram_heads_offsets`, when present, must equal
 //!   [`flashplan_plan::ple::layer_multipliers`] and [`flashplan_plan::ple::head_sizes`]; they are not stored.
-//! - dtypes BF16, F16 and F32 (converted to f32). FP8 block (`F8_E4M3` with `weight_scale_inv`) and MXFP8
-//!   (`F8_E4M3` with `weight_scale`) checkpoints are refused by name for now.
+//! - dtypes BF16, F16 and F32 (converted to f32), and MXFP8 linears (issue 8 item 4): `F8_E4M3` codes `[.., K]`
+//!   with a sibling `U8` (E8M0) `<name>_scale` `[.., ceil(K / 32)]`, dequantized exactly by
+//!   [`crate::mxfp8::dequantize_stored`]; accepted where the plan's manifest says [`StorageForm::Mxfp8`] (the
+//!   compiler reads forms from the checkpoint's headers), refused otherwise like any form mismatch. MXFP8 with
+//!   other codes or scales, and FP8 block (`F8_E4M3` with `weight_scale_inv`), are refused by name for now.
 //!
 //! `config.json` is not read here: the caller has validated it and compiled (or matched) the plan from it.
 //!
@@ -207,11 +210,17 @@ pub enum CheckpointError {
         /// The on-disk name.
         tensor: String,
     },
-    /// An MXFP8 tensor (`F8_E4M3` codes with `weight_scale` E8M0).
-    #[error("tensor {tensor} is stored as MXFP8 (F8_E4M3 with weight_scale), which this loader does not read yet")]
+    /// An MXFP8 tensor in a form this loader does not read (codes other than `F8_E4M3`, scales other than `U8`
+    /// `[.., ceil(K / 32)]`).
+    #[error(
+        "tensor {tensor} is stored as MXFP8 with {why}, which this loader does not read yet \
+         (it reads F8_E4M3 codes [.., K] with U8 scales [.., ceil(K/32)] in {tensor}_scale)"
+    )]
     Mxfp8 {
         /// The on-disk name.
         tensor: String,
+        /// What differs from the form read.
+        why: String,
     },
     /// A tensor the plan's manifest does not know.
     #[error("unexpected tensor {tensor} (canonical {canonical}): the plan's weight manifest has no such tensor")]
@@ -443,9 +452,42 @@ fn check_dtype(
             })
         }
         Dtype::F8_E4M3 | Dtype::F8_E5M2 if names.contains_key(&format!("{disk}_scale")) => {
-            Err(CheckpointError::Mxfp8 {
-                tensor: disk.to_string(),
-            })
+            let scale = &names[&format!("{disk}_scale")].1;
+            let refuse = |why: String| {
+                Err(CheckpointError::Mxfp8 {
+                    tensor: disk.to_string(),
+                    why,
+                })
+            };
+            if view.dtype() != Dtype::F8_E4M3 {
+                return refuse(format!("{:?} codes", view.dtype()));
+            }
+            if scale.dtype() != Dtype::U8 {
+                return refuse(format!("{:?} scales", scale.dtype()));
+            }
+            let codes = view.shape();
+            let mut want = codes.to_vec();
+            if let Some(k) = want.last_mut() {
+                *k = crate::mxfp8::groups_per_row(*k);
+            }
+            if codes.is_empty() || scale.shape() != want.as_slice() {
+                return refuse(format!(
+                    "scales of shape {:?} for codes of shape {codes:?} (expected {want:?})",
+                    scale.shape()
+                ));
+            }
+            if entry.form != StorageForm::Mxfp8 {
+                return Err(CheckpointError::Dtype {
+                    tensor: disk.to_string(),
+                    found: "MXFP8 (F8_E4M3 with weight_scale)".into(),
+                    expected: format!(
+                        "{} (the plan's manifest says {} is stored so: was the plan compiled for another checkpoint?)",
+                        form_name(entry.form),
+                        entry.name
+                    ),
+                });
+            }
+            Ok(())
         }
         other => Err(CheckpointError::Dtype {
             tensor: disk.to_string(),
@@ -457,6 +499,18 @@ fn check_dtype(
             expected: "BF16, F16 or F32".into(),
         }),
     }
+}
+
+/// The `U8` scale tensor of an MXFP8 tensor (`F8_E4M3` codes with a sibling `<name>_scale`), if `view` is one.
+fn mxfp8_scale<'a, 'b>(
+    disk_name: &str,
+    view: &TensorView<'_>,
+    disk: &'a BTreeMap<String, (usize, TensorView<'b>)>,
+) -> Option<&'a (usize, TensorView<'b>)> {
+    if view.dtype() != Dtype::F8_E4M3 {
+        return None;
+    }
+    disk.get(&format!("{disk_name}_scale"))
 }
 
 /// Converts a BF16, F16 or F32 tensor's little-endian bytes to f32.
@@ -690,7 +744,13 @@ pub fn load_checkpoint(
             .is_some_and(is_fp8)
     };
 
-    let known: BTreeSet<&str> = body.weights.iter().map(|w| w.name.as_str()).collect();
+    // Names a checkpoint may hold: the stored groups' (the re-coded `#mxfp8` copies are derived, never on disk).
+    let known: BTreeSet<&str> = body
+        .weights
+        .iter()
+        .filter(|w| matches!(w.group, WeightGroup::Main | WeightGroup::Mtp))
+        .map(|w| w.name.as_str())
+        .collect();
     let mut pieces: BTreeMap<String, Pieces> = BTreeMap::new();
     let mut any_mtp = false;
     for (name, (_, view)) in &disk {
@@ -784,6 +844,9 @@ pub fn load_checkpoint(
             let (_, view) = &disk[disk_name];
             check_dtype(disk_name, view, entry, &disk)?;
             total_bytes += view.data().len() as u64;
+            if let Some((_, scale)) = mxfp8_scale(disk_name, view, &disk) {
+                total_bytes += scale.data().len() as u64;
+            }
         }
         check_shapes(entry, &ordered, &disk)?;
         plan.push((i, ordered));
@@ -966,7 +1029,19 @@ fn fill(
     for n in ordered {
         let view = &disk[n].1;
         let numel: usize = view.shape().iter().product();
-        convert(view.data(), view.dtype(), &mut out[at..at + numel]);
+        if let Some((_, scale)) = mxfp8_scale(n, view, disk) {
+            let cols = view.shape().last().copied().unwrap_or(1);
+            let values = crate::mxfp8::dequantize_stored(
+                view.data(),
+                scale.data(),
+                numel / cols.max(1),
+                cols,
+            );
+            out[at..at + numel].copy_from_slice(&values);
+            bar.inc(scale.data().len() as u64);
+        } else {
+            convert(view.data(), view.dtype(), &mut out[at..at + numel]);
+        }
         at += numel;
         bar.inc(view.data().len() as u64);
     }

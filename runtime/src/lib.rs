@@ -7,4 +7,8 @@ pub mod checkpoint;
 pub mod copy_index;
 pub mod cpu;
 pub mod engine;
+pub mod mxfp8;
 pub mod sampler;
+pub mod server;
+pub mod service;
+pub mod tokenizer;

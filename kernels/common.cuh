@@ -1,0 +1,159 @@
+// Device helpers shared by every kernel module. No libc or CUDA headers: NVRTC compiles these with no include
+// path (bf16 is handled as raw 16-bit patterns: a bf16 value is the high half of an f32).
+//
+// Row invariance (rounds.md section 5): every value a row produces is computed by one thread, warp or block whose
+// reduction order depends only on the launch's block size (fixed per kernel), never on how many rows the launch
+// has; no atomics. Padding rows (j >= rows of their stream) are skipped: nothing is written for them.
+#pragma once
+#include "params.h"
+
+#define DEV __device__ __forceinline__
+#define FULL_MASK 0xffffffffu
+
+typedef unsigned short bf16_t;
+
+DEV float bf2f(bf16_t h) { return __uint_as_float(((u32)h) << 16); }
+DEV float bfw(const u64 w, u64 i) { return bf2f(((const bf16_t*)w)[i]); }
+
+DEV const FpStream& stream_of(const FpCommon& c, u32 s) { return ((const FpStream*)c.streams)[s]; }
+DEV u32 token_of(const FpCommon& c, u32 r) { return ((const u32*)c.tokens)[r]; }
+DEV float* state_of(const FpCommon& c, u32 slot, u64 off) {
+    return (float*)c.slots + (u64)slot * c.slot_elems + off;
+}
+DEV float* fptr(u64 p) { return (float*)p; }
+DEV u32* uptr(u64 p) { return (u32*)p; }
+
+// Row r of the variant (r = s * window + j) is real when j < rows(s).
+DEV bool real_row(const FpCommon& c, u32 r, u32& s, u32& j) {
+    s = r / c.window;
+    j = r % c.window;
+    return j < stream_of(c, s).rows;
+}
+
+// Keep count of stream s: the counted keep (capped at rows) or every real row.
+DEV u32 keep_of(const FpCommon& c, u64 keep, u32 s) {
+    u32 rows = stream_of(c, s).rows;
+    if (keep == 0) return rows;
+    u32 k = uptr(keep)[s];
+    return k < rows ? k : rows;
+}
+
+DEV float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
+DEV float siluf_(float x) { return x / (1.0f + expf(-x)); }
+DEV float softplusf_(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+DEV float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+DEV float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+}
+
+// Sum over the block in a fixed order (warp trees, then warps in order); every thread gets the result.
+// `sh` holds at least 32 floats. The block size must be a multiple of 32.
+DEV float block_sum(float v, float* sh) {
+    v = warp_sum(v);
+    const u32 w = threadIdx.x >> 5, l = threadIdx.x & 31, nw = blockDim.x >> 5;
+    __syncthreads();
+    if (l == 0) sh[w] = v;
+    __syncthreads();
+    float t = 0.0f;
+    for (u32 i = 0; i < nw; i++) t += sh[i];
+    return t;
+}
+DEV float block_max(float v, float* sh) {
+    v = warp_max(v);
+    const u32 w = threadIdx.x >> 5, l = threadIdx.x & 31, nw = blockDim.x >> 5;
+    __syncthreads();
+    if (l == 0) sh[w] = v;
+    __syncthreads();
+    float t = sh[0];
+    for (u32 i = 1; i < nw; i++) t = fmaxf(t, sh[i]);
+    return t;
+}
+DEV double block_sum_d(double v, double* sh) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    const u32 w = threadIdx.x >> 5, l = threadIdx.x & 31, nw = blockDim.x >> 5;
+    __syncthreads();
+    if (l == 0) sh[w] = v;
+    __syncthreads();
+    double t = 0.0;
+    for (u32 i = 0; i < nw; i++) t += sh[i];
+    return t;
+}
+
+// Eight bf16 of a 16-byte load, in order.
+DEV void unpack8(const uint4 v, float* f) {
+    const u32 a[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        f[2 * i] = __uint_as_float(a[i] << 16);
+        f[2 * i + 1] = __uint_as_float(a[i] & 0xffff0000u);
+    }
+}
+
+// Lane's share of dot(w[0..k] bf16, x[0..k] f32): 16-byte weight loads in chunks of 8 when aligned, else scalar.
+// The order of the lane's sum depends only on k and the lane; reduce with warp_sum.
+DEV float lane_dot(const bf16_t* w, const float* x, u32 k, u32 lane) {
+    float acc = 0.0f;
+    if ((k & 7) == 0 && (((u64)w) & 15) == 0) {
+        for (u32 kk = lane * 8; kk < k; kk += 256) {
+            float f[8];
+            unpack8(*(const uint4*)(w + kk), f);
+            const float* xr = x + kk;
+            float s = f[0] * xr[0];
+#pragma unroll
+            for (int t = 1; t < 8; t++) s += f[t] * xr[t];
+            acc += s;
+        }
+    } else {
+        for (u32 kk = lane; kk < k; kk += 32) acc += bf2f(w[kk]) * x[kk];
+    }
+    return acc;
+}
+DEV float warp_dot(const bf16_t* w, const float* x, u32 k, u32 lane) { return warp_sum(lane_dot(w, x, k, lane)); }
+
+// f32 dot by a warp (both operands f32).
+DEV float warp_dot_f(const float* a, const float* b, u32 k, u32 lane) {
+    float acc = 0.0f;
+    for (u32 i = lane; i < k; i += 32) acc += a[i] * b[i];
+    return warp_sum(acc);
+}
+
+// Rotate-half RoPE at `pos` over the first 2*half values of x (in place, by one warp; x in shared or global memory
+// owned by this warp). cos/sin scaled by the attention factor.
+DEV void rope_warp(float* x, const float* inv_freq, u32 half, u32 pos, float af, u32 lane) {
+    for (u32 i = lane; i < half; i += 32) {
+        const float f = (float)pos * inv_freq[i];
+        const float cs = cosf(f) * af, sn = sinf(f) * af;
+        const float x1 = x[i], x2 = x[i + half];
+        x[i] = x1 * cs - x2 * sn;
+        x[i + half] = x2 * cs + x1 * sn;
+    }
+    __syncwarp();
+}
+
+// Zero-centred RMSNorm of one vector of n values by a warp: y = x * (1 / sqrt(mean(x^2) + eps)) * (1 + w).
+DEV void rms_warp(const float* x, const u64 w, float* y, u32 n, float eps, u32 lane) {
+    float ss = 0.0f;
+    for (u32 i = lane; i < n; i += 32) ss += x[i] * x[i];
+    ss = warp_sum(ss);
+    const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+    for (u32 i = lane; i < n; i += 32) y[i] = x[i] * inv * (w ? 1.0f + bfw(w, i) : 1.0f);
+    __syncwarp();
+}
+
+// QSA block key by one warp: RoPE(k_layernorm(mean of the block's `ratio` raw keys), b * ratio) into `key` (id).
+DEV void block_key_warp(const float* raw, u32 b, u32 id, u32 ratio, u64 kn, float eps, const float* inv_freq,
+                        u32 half, float af, float* key, u32 lane) {
+    for (u32 i = lane; i < id; i += 32) {
+        float m = 0.0f;
+        for (u32 t = b * ratio; t < (b + 1) * ratio; t++) m += raw[(u64)t * id + i];
+        key[i] = m / (float)ratio;
+    }
+    __syncwarp();
+    rms_warp(key, kn, key, id, eps, lane);
+    rope_warp(key, inv_freq, half, b * ratio, af, lane);
+}

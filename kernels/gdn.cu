@@ -1,0 +1,146 @@
+// GatedDeltaNet: gdn_conv (causal depthwise conv + SiLU), gdn_recur (recurrence over the window from the slot's
+// state, state untouched), gdn_commit (replays the kept rows into the state with the same update, and shifts the
+// conv state). The recurrent state of one value head is [dk, dv]; thread e of the head's block owns column e in
+// registers (dk <= GDN_MAX_DK), so the update order per element is the reference's (i ascending).
+#include "common.cuh"
+
+#define GDN_MAX_DK 128
+
+// out[j][ch] = silu(sum_t w[ch, t] * seq[j + t][ch]), seq = conv state (kernel-1 rows) then the window's rows.
+extern "C" __global__ void gdn_conv(const FpGdnConv p) {
+    const FpCommon& c = p.c;
+    const u32 K1 = p.kernel - 1;
+    for (u32 ch = blockIdx.x * blockDim.x + threadIdx.x; ch < p.channels; ch += gridDim.x * blockDim.x) {
+        for (u32 s = 0; s < c.nstreams; s++) {
+            const FpStream& st = stream_of(c, s);
+            const float* state = state_of(c, st.slot, p.state);
+            for (u32 j = 0; j < st.rows; j++) {
+                float acc = 0.0f;
+                for (u32 t = 0; t < p.kernel; t++) {
+                    const u32 i = j + t;
+                    const float x = i < K1 ? state[(u64)i * p.channels + ch]
+                                           : fptr(p.x)[((u64)s * c.window + i - K1) * p.channels + ch];
+                    acc += bfw(p.w, (u64)ch * p.kernel + t) * x;
+                }
+                fptr(p.out)[((u64)s * c.window + j) * p.channels + ch] = siluf_(acc);
+            }
+        }
+    }
+}
+
+// S *= exp(g); kv = S^T k; S += k (beta (v - kv))^T -- for column e held in S[0..dk).
+DEV void gdn_update_col(float* S, const float* k, float v, float g, float beta, u32 dk) {
+    const float decay = expf(g);
+#pragma unroll
+    for (u32 i = 0; i < GDN_MAX_DK; i++)
+        if (i < dk) S[i] *= decay;
+    float kv = 0.0f;
+#pragma unroll
+    for (u32 i = 0; i < GDN_MAX_DK; i++)
+        if (i < dk) kv += S[i] * k[i];
+    const float delta = (v - kv) * beta;
+#pragma unroll
+    for (u32 i = 0; i < GDN_MAX_DK; i++)
+        if (i < dk) S[i] += k[i] * delta;
+}
+
+// Block (h, s); blockDim >= dv. Per row: l2-normalised q (scaled by 1/sqrt(dk)) and k of key head h / (hv/hk),
+// beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias), update, o = S^T q. Stash: k, v, g, beta.
+extern "C" __global__ void gdn_recur(const FpGdnRecur p) {
+    __shared__ float sh[32];
+    __shared__ float qs[GDN_MAX_DK];
+    __shared__ float ks[GDN_MAX_DK];
+    const FpCommon& c = p.c;
+    const u32 h = blockIdx.x, s = blockIdx.y;
+    if (h >= p.hv || s >= c.nstreams) return;
+    const FpStream& st = stream_of(c, s);
+    const u32 e = threadIdx.x;
+    const bool own = e < p.dv;
+    const u32 kh = h / (p.hv / p.hk);
+    const u32 ch = 2 * p.hk * p.dk + p.hv * p.dv;
+    const u32 sw = p.hk * p.dk + p.hv * p.dv + 2 * p.hv;
+    const u64 dkdv = (u64)p.dk * p.dv;
+    const float* state = state_of(c, st.slot, p.state) + h * dkdv;
+    float S[GDN_MAX_DK];
+#pragma unroll
+    for (u32 i = 0; i < GDN_MAX_DK; i++) S[i] = (own && i < p.dk) ? state[(u64)i * p.dv + e] : 0.0f;
+    const float scale = 1.0f / sqrtf((float)p.dk);
+    const float alog = -expf(bfw(p.a_log, h));
+    const float dtb = bfw(p.dt_bias, h);
+    for (u32 j = 0; j < st.rows; j++) {
+        const u64 r = (u64)s * c.window + j;
+        const float* row = fptr(p.qkv) + r * ch;
+        float qq = 0.0f, kk = 0.0f;
+        for (u32 i = threadIdx.x; i < p.dk; i += blockDim.x) {
+            const float q = row[kh * p.dk + i], k = row[p.hk * p.dk + kh * p.dk + i];
+            qq += q * q;
+            kk += k * k;
+        }
+        const float iq = 1.0f / sqrtf(block_sum(qq, sh) + 1e-6f);
+        const float ik = 1.0f / sqrtf(block_sum(kk, sh) + 1e-6f);
+        for (u32 i = threadIdx.x; i < p.dk; i += blockDim.x) {
+            qs[i] = row[kh * p.dk + i] * iq * scale;
+            ks[i] = row[p.hk * p.dk + kh * p.dk + i] * ik;
+        }
+        __syncthreads();
+        const float beta = sigmoidf_(fptr(p.b)[r * p.hv + h]);
+        const float g = alog * softplusf_(fptr(p.a)[r * p.hv + h] + dtb);
+        float* srow = fptr(p.stash) + r * sw;
+        if (own) {
+            const float v = row[2 * p.hk * p.dk + h * p.dv + e];
+            gdn_update_col(S, ks, v, g, beta, p.dk);
+            float o = 0.0f;
+#pragma unroll
+            for (u32 i = 0; i < GDN_MAX_DK; i++)
+                if (i < p.dk) o += S[i] * qs[i];
+            fptr(p.out)[r * p.hv * p.dv + h * p.dv + e] = o;
+            srow[p.hk * p.dk + h * p.dv + e] = v;
+        }
+        if (h % (p.hv / p.hk) == 0)
+            for (u32 i = threadIdx.x; i < p.dk; i += blockDim.x) srow[kh * p.dk + i] = ks[i];
+        if (threadIdx.x == 0) {
+            srow[p.hk * p.dk + p.hv * p.dv + h] = g;
+            srow[p.hk * p.dk + p.hv * p.dv + p.hv + h] = beta;
+        }
+        __syncthreads();
+    }
+}
+
+// Block (h, s): replays the first keep rows' stashed (k, v, g, beta) into the slot state; the blocks of stream s
+// also shift its conv state to the last kernel-1 raw rows ending at the last kept row.
+extern "C" __global__ void gdn_commit(const FpGdnCommit p) {
+    const FpCommon& c = p.c;
+    const u32 h = blockIdx.x, s = blockIdx.y;
+    if (h >= p.hv || s >= c.nstreams) return;
+    const FpStream& st = stream_of(c, s);
+    const u32 k = keep_of(c, p.keep, s);
+    const u32 e = threadIdx.x;
+    const u32 kh = h / (p.hv / p.hk);
+    const u32 sw = p.hk * p.dk + p.hv * p.dv + 2 * p.hv;
+    const u64 dkdv = (u64)p.dk * p.dv;
+    if (e < p.dv && k > 0) {
+        float* state = state_of(c, st.slot, p.state) + h * dkdv;
+        float S[GDN_MAX_DK];
+#pragma unroll
+        for (u32 i = 0; i < GDN_MAX_DK; i++) S[i] = i < p.dk ? state[(u64)i * p.dv + e] : 0.0f;
+        for (u32 j = 0; j < k; j++) {
+            const float* srow = fptr(p.stash) + ((u64)s * c.window + j) * sw;
+            const float g = srow[p.hk * p.dk + p.hv * p.dv + h];
+            const float beta = srow[p.hk * p.dk + p.hv * p.dv + p.hv + h];
+            gdn_update_col(S, srow + kh * p.dk, srow[p.hk * p.dk + h * p.dv + e], g, beta, p.dk);
+        }
+#pragma unroll
+        for (u32 i = 0; i < GDN_MAX_DK; i++)
+            if (i < p.dk) state[(u64)i * p.dv + e] = S[i];
+    }
+    float* conv = state_of(c, st.slot, p.conv);
+    const u32 K1 = p.kernel - 1;
+    for (u32 chn = h * blockDim.x + threadIdx.x; chn < p.channels; chn += p.hv * blockDim.x) {
+        for (u32 i = 0; i < K1; i++) {
+            const u32 idx = k + i;
+            conv[(u64)i * p.channels + chn] = idx < K1
+                ? conv[(u64)idx * p.channels + chn]
+                : fptr(p.raw)[((u64)s * c.window + idx - K1) * p.channels + chn];
+        }
+    }
+}

@@ -1,0 +1,380 @@
+/* Kernel parameter structs, shared by the CUDA kernels (kernels/*.cu) and the Rust runtime.
+ *
+ * The Rust mirrors (`#[repr(C)]`) are generated from this file by kernels/build_bundle.rs (run by the build scripts
+ * of the runtime and compiler crates), so this header is the single source of the ABI. It is written in a
+ * restricted style that the generator parses: one `typedef struct Name {` ... `} Name;` per struct, one field per
+ * line, field types `u64`, `u32`, `float` or an earlier struct, optionally a fixed array `[N]`. Pointers are device
+ * addresses carried as `u64`; every u64 field comes before the 4-byte ones so no struct has inner padding.
+ *
+ * Conventions: activations are f32 (arena and io buffers), weights bf16, per-slot state f32 at
+ * `slots + slot * slot_elems + offset` (element offsets of the plan's StatePiece.offset). Token and expert ids are
+ * u32 bit patterns in 4-byte elements.
+ */
+#ifndef FLASHPLAN_PARAMS_H
+#define FLASHPLAN_PARAMS_H
+
+typedef unsigned long long u64;
+typedef unsigned int u32;
+
+#define FP_MAX_NGRAM 8
+#define FP_MAX_PLE_HEADS 32
+
+/* One stream of the device round descriptor (mirror of RoundDesc's StreamDesc). 48 bytes. */
+typedef struct FpStream {
+    u64 seed;
+    u32 slot;
+    u32 pos;
+    u32 rows;
+    u32 committed;
+    u32 src_row;
+    float temperature;
+    u32 top_k;
+    float top_p;
+    float min_p;
+    u32 pad;
+} FpStream;
+
+/* What every kernel gets: the descriptor (streams, then tokens), the slot state base and a scratch area. */
+typedef struct FpCommon {
+    u64 streams;
+    u64 tokens;
+    u64 slots;
+    u64 scratch;
+    u64 slot_elems;
+    u32 nstreams;
+    u32 window;
+} FpCommon;
+
+/* embed_streams, embed: out[(r*copies + c)*dim + d] = table[tok[r]*dim + d]. */
+typedef struct FpEmbed {
+    FpCommon c;
+    u64 table;
+    u64 out;
+    u32 dim;
+    u32 copies;
+} FpEmbed;
+
+typedef struct FpGatherRows {
+    FpCommon c;
+    u64 src;
+    u64 out;
+    u32 width;
+    u32 pad;
+} FpGatherRows;
+
+typedef struct FpLastRows {
+    FpCommon c;
+    u64 x;
+    u64 out;
+    u32 width;
+    u32 pad;
+} FpLastRows;
+
+/* w = 0: no weight. */
+typedef struct FpRmsNorm {
+    FpCommon c;
+    u64 x;
+    u64 w;
+    u64 out;
+    u32 dim;
+    u32 group;
+    float eps;
+    u32 pad;
+} FpRmsNorm;
+
+/* gathered != 0: x holds one row per stream (rows with streams[s].rows > 0). */
+typedef struct FpLinear {
+    FpCommon c;
+    u64 x;
+    u64 w;
+    u64 out;
+    u32 k;
+    u32 n;
+    u32 sub;
+    u32 accumulate;
+    u32 gathered;
+    u32 pad;
+} FpLinear;
+
+typedef struct FpAddBroadcast {
+    FpCommon c;
+    u64 a;
+    u64 b;
+    u64 out;
+    u32 width;
+    u32 b_width;
+} FpAddBroadcast;
+
+/* inject = 0: no inject weights (inj is then unused). */
+typedef struct FpHcRead {
+    FpCommon c;
+    u64 h;
+    u64 norm;
+    u64 down;
+    u64 up;
+    u64 inject;
+    u64 inj;
+    u64 out;
+    u32 dim;
+    u32 hc;
+    u32 rank;
+    u32 gathered;
+    float eps;
+    u32 pad;
+} FpHcRead;
+
+typedef struct FpHcWrite {
+    FpCommon c;
+    u64 h;
+    u64 y;
+    u64 inj;
+    u32 dim;
+    u32 hc;
+} FpHcWrite;
+
+typedef struct FpPleEmbed {
+    FpCommon c;
+    u64 table;
+    u64 out;
+    u64 history;
+    u64 mult[FP_MAX_NGRAM];
+    u64 sizes[FP_MAX_PLE_HEADS];
+    u64 offsets[FP_MAX_PLE_HEADS];
+    u32 heads;
+    u32 head_dim;
+    u32 ngram;
+    u32 heads_per_ngram;
+    u32 eos;
+    u32 pad;
+} FpPleEmbed;
+
+typedef struct FpPleMix {
+    FpCommon c;
+    u64 h;
+    u64 key;
+    u64 value;
+    u64 norm_key;
+    u64 norm_query;
+    u64 norm_conv;
+    u64 conv_w;
+    u64 stash;
+    u64 tail;
+    u32 dim;
+    u32 hc;
+    u32 kernel;
+    u32 dilation;
+    float eps;
+    u32 pad;
+} FpPleMix;
+
+/* keep = 0: all real rows; else keep[s] (u32) counted on the device. history, tail: state element offsets. */
+typedef struct FpPleCommit {
+    FpCommon c;
+    u64 stash;
+    u64 keep;
+    u64 history;
+    u64 tail;
+    u32 width;
+    u32 hist_len;
+    u32 tail_len;
+    u32 pad;
+} FpPleCommit;
+
+typedef struct FpGdnConv {
+    FpCommon c;
+    u64 x;
+    u64 w;
+    u64 out;
+    u64 state;
+    u32 channels;
+    u32 kernel;
+} FpGdnConv;
+
+typedef struct FpGdnRecur {
+    FpCommon c;
+    u64 qkv;
+    u64 b;
+    u64 a;
+    u64 a_log;
+    u64 dt_bias;
+    u64 out;
+    u64 stash;
+    u64 state;
+    u32 hk;
+    u32 hv;
+    u32 dk;
+    u32 dv;
+} FpGdnRecur;
+
+typedef struct FpGdnCommit {
+    FpCommon c;
+    u64 stash;
+    u64 raw;
+    u64 keep;
+    u64 state;
+    u64 conv;
+    u32 hk;
+    u32 hv;
+    u32 dk;
+    u32 dv;
+    u32 channels;
+    u32 kernel;
+} FpGdnCommit;
+
+/* act: 0 sigmoid, 1 silu. */
+typedef struct FpGatedNorm {
+    FpCommon c;
+    u64 x;
+    u64 z;
+    u64 w;
+    u64 out;
+    u32 heads;
+    u32 dim;
+    u32 act;
+    float eps;
+} FpGatedNorm;
+
+/* rope: f32 inv_freq table of rot_half values; k_cache, v_cache: state element offsets. */
+typedef struct FpAttnPrep {
+    FpCommon c;
+    u64 q_raw;
+    u64 k_raw;
+    u64 v_raw;
+    u64 q_norm;
+    u64 k_norm;
+    u64 q;
+    u64 gate;
+    u64 rope;
+    u64 k_cache;
+    u64 v_cache;
+    u32 heads;
+    u32 kv_heads;
+    u32 hd;
+    u32 rot_half;
+    float attn_factor;
+    float eps;
+} FpAttnPrep;
+
+typedef struct FpIndexerPrep {
+    FpCommon c;
+    u64 qk;
+    u64 q_norm;
+    u64 q_out;
+    u64 rope;
+    u64 raw_keys;
+    u32 ih;
+    u32 id;
+    u32 rot_half;
+    float attn_factor;
+    float eps;
+    u32 pad;
+} FpIndexerPrep;
+
+/* Scratch: scores [rows, nb_max] f32. */
+typedef struct FpIndexerSelect {
+    FpCommon c;
+    u64 q;
+    u64 k_norm;
+    u64 sel;
+    u64 rope;
+    u64 raw_keys;
+    u64 pooled;
+    u32 ih;
+    u32 id;
+    u32 rot_half;
+    u32 ratio;
+    u32 topk;
+    u32 nb_max;
+    float attn_factor;
+    float eps;
+} FpIndexerSelect;
+
+/* Scratch: scores [rows * heads, max_tokens] f32. */
+typedef struct FpSparseAttn {
+    FpCommon c;
+    u64 q;
+    u64 gate;
+    u64 sel;
+    u64 out;
+    u64 k_cache;
+    u64 v_cache;
+    u32 heads;
+    u32 kv_heads;
+    u32 hd;
+    u32 ratio;
+    u32 topk;
+    u32 max_tokens;
+} FpSparseAttn;
+
+typedef struct FpIndexerCommit {
+    FpCommon c;
+    u64 k_norm;
+    u64 keep;
+    u64 rope;
+    u64 raw_keys;
+    u64 pooled;
+    u32 id;
+    u32 rot_half;
+    u32 ratio;
+    float attn_factor;
+    float eps;
+    u32 pad;
+} FpIndexerCommit;
+
+typedef struct FpRouter {
+    FpCommon c;
+    u64 x;
+    u64 gate;
+    u64 ids;
+    u64 weights;
+    u32 experts;
+    u32 topk;
+    u32 dim;
+    u32 norm;
+} FpRouter;
+
+/* Scratch: hidden activations [rows, topk * inter] f32. */
+typedef struct FpExperts {
+    FpCommon c;
+    u64 x;
+    u64 ids;
+    u64 weights;
+    u64 gate_up;
+    u64 down;
+    u64 out;
+    u32 topk;
+    u32 dim;
+    u32 inter;
+    u32 pad;
+} FpExperts;
+
+/* Scratch: hidden activations [rows, inter] f32. */
+typedef struct FpSharedExpert {
+    FpCommon c;
+    u64 x;
+    u64 gate;
+    u64 up;
+    u64 down;
+    u64 scale;
+    u64 out;
+    u32 dim;
+    u32 inter;
+} FpSharedExpert;
+
+/* mode: 0 every real row, 1 each stream's last real row, 2 gathered MTP rows (one per stream). */
+typedef struct FpSample {
+    FpCommon c;
+    u64 logits;
+    u64 tokens;
+    u64 probs;
+    u32 mode;
+    u32 vocab;
+} FpSample;
+
+typedef struct FpKeepCount {
+    FpCommon c;
+    u64 sampled;
+    u64 keep;
+} FpKeepCount;
+
+#endif

@@ -1,0 +1,82 @@
+// Row movement and elementwise kernels: embed_streams, embed, gather_rows, last_rows, add_broadcast, hc_write,
+// keep_count. One block per row (grid-stride), so any grid size gives the same result.
+#include "common.cuh"
+
+// out[(r*copies + c)*dim + d] = table[tok[r]*dim + d] for real rows (embed: copies = 1).
+DEV void embed_impl(const FpEmbed& p) {
+    const FpCommon& c = p.c;
+    const u32 R = c.nstreams * c.window;
+    for (u32 r = blockIdx.x; r < R; r += gridDim.x) {
+        u32 s, j;
+        if (!real_row(c, r, s, j)) continue;
+        const u64 tok = token_of(c, r);
+        for (u32 cp = 0; cp < p.copies; cp++)
+            for (u32 d = threadIdx.x; d < p.dim; d += blockDim.x)
+                fptr(p.out)[((u64)r * p.copies + cp) * p.dim + d] = bfw(p.table, tok * p.dim + d);
+    }
+}
+extern "C" __global__ void embed_streams(const FpEmbed p) { embed_impl(p); }
+extern "C" __global__ void embed(const FpEmbed p) { embed_impl(p); }
+
+// out[s*w + j] = src[src_row(s) + j] (whole io buffer as the source).
+extern "C" __global__ void gather_rows(const FpGatherRows p) {
+    const FpCommon& c = p.c;
+    const u32 R = c.nstreams * c.window;
+    for (u32 r = blockIdx.x; r < R; r += gridDim.x) {
+        u32 s, j;
+        if (!real_row(c, r, s, j)) continue;
+        const u64 from = stream_of(c, s).src_row + j;
+        for (u32 i = threadIdx.x; i < p.width; i += blockDim.x)
+            fptr(p.out)[(u64)r * p.width + i] = fptr(p.src)[from * p.width + i];
+    }
+}
+
+// out[s] = x[s*window + rows(s) - 1].
+extern "C" __global__ void last_rows(const FpLastRows p) {
+    const FpCommon& c = p.c;
+    for (u32 s = blockIdx.x; s < c.nstreams; s += gridDim.x) {
+        const u32 rows = stream_of(c, s).rows;
+        if (rows == 0) continue;
+        const u64 r = (u64)s * c.window + rows - 1;
+        for (u32 i = threadIdx.x; i < p.width; i += blockDim.x)
+            fptr(p.out)[(u64)s * p.width + i] = fptr(p.x)[r * p.width + i];
+    }
+}
+
+extern "C" __global__ void add_broadcast(const FpAddBroadcast p) {
+    const FpCommon& c = p.c;
+    const u32 R = c.nstreams * c.window;
+    for (u32 r = blockIdx.x; r < R; r += gridDim.x) {
+        u32 s, j;
+        if (!real_row(c, r, s, j)) continue;
+        for (u32 i = threadIdx.x; i < p.width; i += blockDim.x)
+            fptr(p.out)[(u64)r * p.width + i] =
+                fptr(p.a)[(u64)r * p.width + i] + fptr(p.b)[(u64)r * p.b_width + i % p.b_width];
+    }
+}
+
+// h[r, c*D + d] += inj[r, c] * y[r, d].
+extern "C" __global__ void hc_write(const FpHcWrite p) {
+    const FpCommon& c = p.c;
+    const u32 R = c.nstreams * c.window;
+    const u32 W = p.dim * p.hc;
+    for (u32 r = blockIdx.x; r < R; r += gridDim.x) {
+        u32 s, j;
+        if (!real_row(c, r, s, j)) continue;
+        for (u32 i = threadIdx.x; i < W; i += blockDim.x) {
+            const u32 cc = i / p.dim, d = i % p.dim;
+            fptr(p.h)[(u64)r * W + i] += fptr(p.inj)[(u64)r * p.hc + cc] * fptr(p.y)[(u64)r * p.dim + d];
+        }
+    }
+}
+
+// keep[s] = 1 + #leading j with tokens[s*w + j + 1] == sampled[s*w + j] over the real rows (0 without rows).
+extern "C" __global__ void keep_count(const FpKeepCount p) {
+    const FpCommon& c = p.c;
+    for (u32 s = blockIdx.x * blockDim.x + threadIdx.x; s < c.nstreams; s += gridDim.x * blockDim.x) {
+        const u32 rows = stream_of(c, s).rows;
+        u32 k = 1;
+        while (k < rows && token_of(c, s * c.window + k) == uptr(p.sampled)[s * c.window + k - 1]) k++;
+        uptr(p.keep)[s] = rows == 0 ? 0 : k;
+    }
+}

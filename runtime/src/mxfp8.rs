@@ -1,0 +1,450 @@
+//! MXFP8 weights (issue 8): the re-coded MTP drafter (`FLASHPLAN_MTP_WEIGHTS=mxfp8|mxfp8-head`) and checkpoints
+//! that store MXFP8 linears.
+//!
+//! # Format
+//!
+//! A `[N, K]` matrix is stored as E4M3 codes `[N, K]` (one byte per value) and one E8M0 scale byte `s` per 32
+//! consecutive inputs of each output row (`[N, ceil(K / 32)]`). A value is `code * 2^(s - 127)`. When `K` is not a
+//! multiple of 32, the last group of each row is shorter (`K % 32` values); groups never span two rows.
+//!
+//! Re-coding one group `w` with `a = max |w|`:
+//! - `e = ceil(log2(a / 448))` clamped to `[-127, 127]`, `s = e + 127`; `e` is computed exactly (the smallest
+//!   integer with `a <= 448 * 2^e`, checked in f64, where `448 * 2^e` and `a` are exact), so `|w / 2^e| <= 448`
+//!   always holds and no code saturates;
+//! - codes: round-to-nearest-even E4M3 of `w / 2^e` (computed exactly in f64);
+//! - an all-zero group has `s = 127` and zero codes.
+//!
+//! E4M3 is the OCP "FN" variant: 1 sign bit, 4 exponent bits (bias 7), 3 mantissa bits, no infinities, largest
+//! finite magnitude 448 (`0x7E`), `0x7F`/`0xFF` are NaN, subnormals `m * 2^-9` (exponent field 0). E8M0 is an
+//! unsigned biased exponent: `2^(s - 127)`, `0xFF` is NaN.
+//!
+//! Every MXFP8 value (`|code| <= 448`, `2^-127 <= 2^e <= 2^127`) is exactly representable in f32, so the f32
+//! values [`dequantize`] returns are exactly the values the format represents; the CPU backend computes on them.
+//!
+//! Non-finite weights (not expected in a checkpoint): `±inf` saturates to `±448 * 2^127` and NaN stays NaN (code
+//! `0x7F`); neither occurs for finite input.
+
+use flashplan_plan::{DrafterForm, PlanBody, StorageForm, WeightGroup};
+
+/// Inputs per scale group.
+pub const GROUP: usize = 32;
+/// The largest finite E4M3 magnitude.
+pub const E4M3_MAX: f32 = 448.0;
+/// The E8M0 bias.
+pub const E8M0_BIAS: i32 = 127;
+/// The canonical NaN code of E4M3 (positive sign).
+pub const E4M3_NAN: u8 = 0x7F;
+
+/// An MXFP8 `[rows, cols]` matrix.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mxfp8 {
+    /// E4M3 codes, row-major `[rows, cols]`.
+    pub codes: Vec<u8>,
+    /// E8M0 scales, row-major `[rows, ceil(cols / 32)]`.
+    pub scales: Vec<u8>,
+    /// Output rows (N).
+    pub rows: usize,
+    /// Inputs per row (K).
+    pub cols: usize,
+}
+
+/// Scale groups per row: `ceil(cols / 32)`.
+pub fn groups_per_row(cols: usize) -> usize {
+    cols.div_ceil(GROUP)
+}
+
+/// `2^e` as f64, exact for `-1022 <= e <= 1023`.
+fn pow2(e: i32) -> f64 {
+    debug_assert!((-1022..=1023).contains(&e));
+    f64::from_bits(((e + 1023) as u64) << 52)
+}
+
+/// The value of an E4M3 (OCP FN) code.
+pub fn e4m3_decode(code: u8) -> f32 {
+    let sign = if code & 0x80 != 0 { -1.0 } else { 1.0 };
+    let exp = ((code >> 3) & 0x0F) as i32;
+    let man = (code & 0x07) as i32;
+    if exp == 0x0F && man == 0x07 {
+        return f32::NAN;
+    }
+    let mag = if exp == 0 {
+        man as f64 * pow2(-9)
+    } else {
+        (8 + man) as f64 * pow2(exp - 10)
+    };
+    (sign * mag) as f32
+}
+
+/// Round-to-nearest-even E4M3 of an f64 (exact: `x` is not rounded to f32 first). Magnitudes above 448 saturate to
+/// 448 (never needed by [`quantize`]); NaN gives [`E4M3_NAN`].
+fn encode_f64(x: f64) -> u8 {
+    if x.is_nan() {
+        return E4M3_NAN;
+    }
+    let sign: u8 = if x.is_sign_negative() { 0x80 } else { 0 };
+    let a = x.abs();
+    if a >= E4M3_MAX as f64 {
+        return sign | 0x7E;
+    }
+    // The quantum of E4M3 at a's binade: 2^(k-3) for a normal binade [2^k, 2^(k+1)), k >= -6; 2^-9 below 2^-6.
+    let k = if a == 0.0 {
+        -6
+    } else {
+        // a < 448 is a normal f64 here or a subnormal f64; floor(log2 a) from the bits, clamped below at -6.
+        let bits = a.to_bits();
+        let biased = ((bits >> 52) & 0x7FF) as i32;
+        (biased - 1023).max(-6)
+    };
+    let q = pow2(k - 3);
+    // a / q is exact (power-of-two scaling inside f64's range); round to an integer, ties to even.
+    let n = (a / q).round_ties_even();
+    let r = n * q; // exact: n <= 16 and q a power of two
+    if r >= E4M3_MAX as f64 {
+        // Rounding up past 448 cannot happen for a < 448 (448 is on the grid, the next is 480), kept for safety.
+        return sign | 0x7E;
+    }
+    let mag: u8 = if r < pow2(-6) {
+        // Subnormal: r = m * 2^-9, m in 0..=7.
+        (r / pow2(-9)) as u8
+    } else {
+        // Normal: r = (8 + m) * 2^(E - 10), E in 1..=15.
+        let e = ((r.to_bits() >> 52) & 0x7FF) as i32 - 1023; // floor(log2 r), r normal in f64
+        let m = (r / pow2(e - 3)) as i32 - 8;
+        debug_assert!((0..8).contains(&m));
+        (((e + 7) as u8) << 3) | m as u8
+    };
+    sign | mag
+}
+
+/// Round-to-nearest-even E4M3 (OCP FN) code of `x`: the representable value nearest to `x`, ties to the even
+/// mantissa (subnormals included). `|x| > 448` saturates to `±448` ([`quantize`] never needs it); NaN gives
+/// [`E4M3_NAN`]; `-0.0` and negative values that round to zero give `0x80`.
+pub fn e4m3_encode_rne(x: f32) -> u8 {
+    encode_f64(x as f64)
+}
+
+/// The shared scale exponent of a group with `a = max |w|`: the smallest integer `e` with `a <= 448 * 2^e`, clamped
+/// to `[-127, 127]` (that is `ceil(log2(a / 448))`, computed exactly). `a == 0` gives 0 (`s = 127`).
+pub fn scale_exponent(a: f32) -> i32 {
+    if a == 0.0 || a.is_nan() {
+        return 0;
+    }
+    if a.is_infinite() {
+        return 127;
+    }
+    let a = a as f64;
+    let max = E4M3_MAX as f64;
+    // Start near the answer, then settle it with exact comparisons (448 * 2^e is exact in f64).
+    let mut e = (a / max).log2().ceil() as i32;
+    e = e.clamp(-200, 200);
+    while a > max * pow2(e) {
+        e += 1;
+    }
+    while a <= max * pow2(e - 1) {
+        e -= 1;
+    }
+    e.clamp(-E8M0_BIAS, E8M0_BIAS)
+}
+
+/// The value of an E8M0 scale byte: `2^(s - 127)`; `0xFF` is NaN.
+pub fn e8m0_decode(s: u8) -> f32 {
+    if s == 0xFF {
+        f32::NAN
+    } else {
+        pow2(s as i32 - E8M0_BIAS) as f32
+    }
+}
+
+/// Re-codes one group (`w.len() <= 32`) into `codes`; returns its scale byte.
+fn quantize_group(w: &[f32], codes: &mut [u8]) -> u8 {
+    let a = w.iter().fold(0f32, |m, x| m.max(x.abs()));
+    if a == 0.0 {
+        codes.fill(0);
+        return E8M0_BIAS as u8;
+    }
+    let e = scale_exponent(a);
+    let inv = pow2(-e);
+    for (c, &x) in codes.iter_mut().zip(w) {
+        *c = encode_f64(x as f64 * inv);
+    }
+    (e + E8M0_BIAS) as u8
+}
+
+/// Re-codes a row-major `[rows, cols]` f32 matrix into MXFP8 (module documentation: groups of 32 consecutive
+/// inputs of each row, the last group of a row shorter when `cols % 32 != 0`).
+///
+/// # Panics
+/// When `w.len() != rows * cols`.
+pub fn quantize(w: &[f32], rows: usize, cols: usize) -> Mxfp8 {
+    assert_eq!(w.len(), rows * cols, "quantize: {rows} x {cols} matrix");
+    let gpr = groups_per_row(cols);
+    let mut codes = vec![0u8; rows * cols];
+    let mut scales = vec![0u8; rows * gpr];
+    for r in 0..rows {
+        let row = &w[r * cols..(r + 1) * cols];
+        let crow = &mut codes[r * cols..(r + 1) * cols];
+        for g in 0..gpr {
+            let lo = g * GROUP;
+            let hi = (lo + GROUP).min(cols);
+            scales[r * gpr + g] = quantize_group(&row[lo..hi], &mut crow[lo..hi]);
+        }
+    }
+    Mxfp8 {
+        codes,
+        scales,
+        rows,
+        cols,
+    }
+}
+
+/// The f32 values of MXFP8 codes and scales (`codes` `[rows, cols]`, `scales` `[rows, ceil(cols / 32)]`):
+/// `e4m3(code) * 2^(s - 127)`, exact.
+///
+/// This is also the loader's path for checkpoints that store MXFP8 linears (`weight` F8_E4M3 `[N, K]` plus
+/// `weight_scale` U8 `[N, K/32]`; stacked experts `[E, R, C]` pass `rows = E * R`).
+///
+/// # Panics
+/// When the lengths do not match `rows` and `cols`.
+pub fn dequantize_stored(codes: &[u8], scales: &[u8], rows: usize, cols: usize) -> Vec<f32> {
+    let gpr = groups_per_row(cols);
+    assert_eq!(codes.len(), rows * cols, "MXFP8 codes: {rows} x {cols}");
+    assert_eq!(scales.len(), rows * gpr, "MXFP8 scales: {rows} x {gpr}");
+    let table: Vec<f32> = (0..=255u8).map(e4m3_decode).collect();
+    let mut out = vec![0f32; rows * cols];
+    for r in 0..rows {
+        for g in 0..gpr {
+            let lo = r * cols + g * GROUP;
+            let hi = r * cols + ((g + 1) * GROUP).min(cols);
+            let s = e8m0_decode(scales[r * gpr + g]);
+            for (o, &c) in out[lo..hi].iter_mut().zip(&codes[lo..hi]) {
+                // Exact: both factors are powers of two times at most 4 significant bits, within f32's range.
+                *o = table[c as usize] * s;
+            }
+        }
+    }
+    out
+}
+
+/// The f32 values an [`Mxfp8`] matrix represents (row-major `[rows, cols]`), exact.
+pub fn dequantize(m: &Mxfp8) -> Vec<f32> {
+    dequantize_stored(&m.codes, &m.scales, m.rows, m.cols)
+}
+
+/// `(rows, cols)` of a logical shape for re-coding: the last dimension is the input dimension; every other
+/// dimension is folded into rows (stacked experts `[E, R, C]` re-code each `[R, C]` matrix row by row).
+fn matrix_dims(shape: &[u64]) -> (usize, usize) {
+    match shape {
+        [] => (1, 1),
+        [n] => (1, *n as usize),
+        [rest @ .., last] => (rest.iter().product::<u64>() as usize, *last as usize),
+    }
+}
+
+/// Fills the re-coded `#mxfp8` entries of the manifest that drafter form `form` reads, with the f32 values their
+/// MXFP8 re-coding represents (the CPU backend computes in f32 on exactly those values):
+/// - [`DrafterForm::Checkpoint`]: nothing (no new code runs);
+/// - [`DrafterForm::Mxfp8`]: every [`WeightGroup::MtpMxfp8`] entry, from its `source` entry;
+/// - [`DrafterForm::Mxfp8Head`]: those and the [`WeightGroup::HeadMxfp8`] copy of `lm_head`.
+///
+/// A source already stored as MXFP8 ([`StorageForm::Mxfp8`], dequantized by the loader) is used as stored (re-coding
+/// MXFP8 values would give them back unchanged anyway). Entries whose source is not loaded (no drafter in the
+/// checkpoint, or its group not requested) stay `None`. `tensors` is indexed like `body.weights`
+/// ([`crate::checkpoint::HostWeights::tensors`]); call this before handing the tensors to the backend.
+///
+/// # Panics
+/// When `tensors.len() != body.weights.len()`, or a loaded source has the wrong number of values.
+pub fn derive_drafter_weights(
+    body: &PlanBody,
+    tensors: &mut [Option<Vec<f32>>],
+    form: DrafterForm,
+) {
+    assert_eq!(tensors.len(), body.weights.len(), "one slot per manifest entry");
+    let groups: &[WeightGroup] = match form {
+        DrafterForm::Checkpoint => return,
+        DrafterForm::Mxfp8 => &[WeightGroup::MtpMxfp8],
+        DrafterForm::Mxfp8Head => &[WeightGroup::MtpMxfp8, WeightGroup::HeadMxfp8],
+    };
+    for (i, entry) in body.weights.iter().enumerate() {
+        if !groups.contains(&entry.group) || tensors[i].is_some() {
+            continue;
+        }
+        let Some(src) = entry.source.map(|s| s as usize) else {
+            continue;
+        };
+        let Some(values) = tensors[src].as_deref() else {
+            continue;
+        };
+        let (rows, cols) = matrix_dims(&entry.shape);
+        assert_eq!(values.len(), rows * cols, "{}: values", entry.name);
+        let out = if body.weights[src].form == StorageForm::Mxfp8 {
+            values.to_vec()
+        } else {
+            dequantize(&quantize(values, rows, cols))
+        };
+        tensors[i] = Some(out);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Every finite E4M3 value with its code, by brute force over the 256 codes.
+    fn finite_codes() -> Vec<(u8, f64)> {
+        (0..=255u8)
+            .map(|c| (c, e4m3_decode(c) as f64))
+            .filter(|(_, v)| !v.is_nan())
+            .collect()
+    }
+
+    /// Independent slow reference: the nearest representable value (ties: the even mantissa), by search.
+    fn reference_rne(x: f64) -> f64 {
+        let mut best: Option<(u8, f64)> = None;
+        for (c, v) in finite_codes() {
+            let better = match best {
+                None => true,
+                Some((bc, bv)) => {
+                    let (d, bd) = ((v - x).abs(), (bv - x).abs());
+                    d < bd || (d == bd && c & 1 == 0 && bc & 1 == 1)
+                }
+            };
+            if better {
+                best = Some((c, v));
+            }
+        }
+        best.map(|(_, v)| v).unwrap_or(f64::NAN)
+    }
+
+    #[test]
+    fn decode_table_is_the_ocp_fn_variant() {
+        assert_eq!(e4m3_decode(0x00), 0.0);
+        assert_eq!(e4m3_decode(0x01), 2f32.powi(-9));
+        assert_eq!(e4m3_decode(0x07), 7.0 * 2f32.powi(-9));
+        assert_eq!(e4m3_decode(0x08), 2f32.powi(-6));
+        assert_eq!(e4m3_decode(0x38), 1.0);
+        assert_eq!(e4m3_decode(0x7E), 448.0);
+        assert_eq!(e4m3_decode(0xFE), -448.0);
+        assert!(e4m3_decode(0x7F).is_nan() && e4m3_decode(0xFF).is_nan());
+        assert_eq!(e4m3_decode(0x78), 256.0); // no infinities: exponent 15 is a normal binade
+        let mut pos: Vec<f64> = finite_codes()
+            .into_iter()
+            .filter(|(c, _)| c & 0x80 == 0)
+            .map(|(_, v)| v)
+            .collect();
+        let n = pos.len();
+        pos.dedup();
+        assert_eq!((n, pos.len()), (127, 127), "127 distinct non-negative values");
+        assert!(pos.windows(2).all(|w| w[0] < w[1]), "codes are monotonic");
+    }
+
+    #[test]
+    fn encode_roundtrips_every_code() {
+        for (c, v) in finite_codes() {
+            let got = e4m3_encode_rne(v as f32);
+            if v == 0.0 {
+                assert_eq!(got & 0x7F, 0);
+            } else {
+                assert_eq!(got, c, "code {c:#04x} value {v}");
+            }
+        }
+    }
+
+    #[test]
+    fn encode_ties_go_to_the_even_mantissa_both_ways() {
+        let mut pos: Vec<f64> = finite_codes()
+            .into_iter()
+            .filter(|(c, _)| c & 0x80 == 0)
+            .map(|(_, v)| v)
+            .collect();
+        pos.sort_by(f64::total_cmp);
+        for w in pos.windows(2) {
+            let mid = (w[0] + w[1]) / 2.0; // exact in f64 and in f32 (few significant bits)
+            assert_eq!(mid as f32 as f64, mid);
+            for sign in [1.0, -1.0] {
+                let got = e4m3_decode(e4m3_encode_rne((sign * mid) as f32)) as f64;
+                assert_eq!(got, sign * reference_rne(mid), "midpoint {mid}");
+                // Just below and above the midpoint round down and up.
+                let below = f32::from_bits((mid as f32).to_bits() - 1) as f64;
+                let above = f32::from_bits((mid as f32).to_bits() + 1) as f64;
+                assert_eq!(e4m3_decode(e4m3_encode_rne((sign * below) as f32)) as f64, sign * w[0]);
+                assert_eq!(e4m3_decode(e4m3_encode_rne((sign * above) as f32)) as f64, sign * w[1]);
+            }
+            // Which way the tie went: to the neighbour whose code is even.
+            let up = e4m3_encode_rne(w[1] as f32);
+            let want = if up & 1 == 0 { w[1] } else { w[0] };
+            assert_eq!(e4m3_decode(e4m3_encode_rne(mid as f32)) as f64, want);
+        }
+        // Both directions occur: 1.0625 (between 1 and 1.125) goes down, 1.1875 goes up.
+        assert_eq!(e4m3_decode(e4m3_encode_rne(1.0625)), 1.0);
+        assert_eq!(e4m3_decode(e4m3_encode_rne(1.1875)), 1.25);
+        // Subnormal ties: 0.5 * 2^-9 -> 0, 1.5 * 2^-9 -> 2 * 2^-9.
+        assert_eq!(e4m3_decode(e4m3_encode_rne(0.5 * 2f32.powi(-9))), 0.0);
+        assert_eq!(
+            e4m3_decode(e4m3_encode_rne(1.5 * 2f32.powi(-9))),
+            2.0 * 2f32.powi(-9)
+        );
+    }
+
+    #[test]
+    fn scale_exponent_is_exact_at_powers_of_two_times_448() {
+        for e in -127..=119 {
+            let a = (448.0 * pow2(e)) as f32;
+            assert_eq!(scale_exponent(a), e, "a = 448 * 2^{e}");
+            let above = f32::from_bits(a.to_bits() + 1);
+            assert_eq!(scale_exponent(above), (e + 1).min(127), "just above 448 * 2^{e}");
+            let below = f32::from_bits(a.to_bits() - 1);
+            assert_eq!(scale_exponent(below), e.max(-127), "just below 448 * 2^{e}");
+        }
+        assert_eq!(scale_exponent(f32::MIN_POSITIVE / 1024.0), -127);
+        assert_eq!(scale_exponent(f32::MAX), 120); // 448 * 2^119 < MAX <= 448 * 2^120
+        assert_eq!(scale_exponent(1.0), -8);
+    }
+
+    #[test]
+    fn all_zero_group_has_scale_127_and_zero_codes() {
+        let m = quantize(&[0.0; 64], 1, 64);
+        assert_eq!(m.scales, vec![127, 127]);
+        assert!(m.codes.iter().all(|&c| c == 0));
+        assert_eq!(dequantize(&m), vec![0.0; 64]);
+    }
+
+    #[test]
+    fn short_last_group_and_shapes() {
+        let w: Vec<f32> = (0..2 * 40).map(|i| i as f32 - 40.0).collect();
+        let m = quantize(&w, 2, 40);
+        assert_eq!(m.scales.len(), 4);
+        assert_eq!(m.codes.len(), 80);
+        // Row 0: group 0 = -40..-9 (a = 40, e = -3), group 1 = -8..-1 (a = 8, e = -5).
+        assert_eq!(m.scales[0] as i32 - 127, -3);
+        assert_eq!(m.scales[1] as i32 - 127, -5);
+        // Each value is the RNE E4M3 rounding of w / 2^e, times 2^e (3 mantissa bits: 39 -> 40, 17 -> 16).
+        let got = dequantize(&m);
+        for (i, (&x, &y)) in w.iter().zip(&got).enumerate() {
+            let e = m.scales[(i / 40) * 2 + (i % 40) / 32] as i32 - 127;
+            assert_eq!(y as f64, reference_rne(x as f64 * pow2(-e)) * pow2(e), "index {i}");
+        }
+        assert_eq!((got[1], got[57], got[77]), (-40.0, 16.0, 36.0));
+    }
+
+    #[test]
+    fn stored_scale_255_is_nan() {
+        assert!(dequantize_stored(&[0x38], &[255], 1, 1)[0].is_nan());
+        assert_eq!(dequantize_stored(&[0x38], &[0], 1, 1)[0], 2f32.powi(-127));
+    }
+
+    proptest! {
+        #[test]
+        fn encode_matches_reference(x in -500.0f32..500.0) {
+            let want = reference_rne(x.clamp(-448.0, 448.0) as f64);
+            prop_assert_eq!(e4m3_decode(e4m3_encode_rne(x)) as f64, want);
+        }
+
+        #[test]
+        fn encode_matches_reference_small(bits in 0u32..0x3D00_0000, neg in any::<bool>()) {
+            // Magnitudes from 0 up to about 2^-5: the subnormal and lowest normal binades.
+            let x = f32::from_bits(bits | if neg { 0x8000_0000 } else { 0 });
+            prop_assert_eq!(e4m3_decode(e4m3_encode_rne(x)) as f64, reference_rne(x as f64));
+        }
+    }
+}

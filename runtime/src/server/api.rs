@@ -1,0 +1,375 @@
+//! Request parsing and validation for the OpenAI endpoints. Bodies are read as JSON values and each field is
+//! checked by hand, so that a wrong type or value gets a 400 naming the field (not a generic deserializer error).
+
+use serde_json::{Map, Value};
+
+use super::error::ApiError;
+use crate::sampler::{prompt_seed, SamplingParams};
+use crate::tokenizer::ChatMessage;
+
+/// The prompt of a request.
+#[derive(Debug, Clone)]
+pub enum Prompt {
+    /// Text (completions).
+    Text(String),
+    /// Token ids (completions).
+    Ids(Vec<u32>),
+    /// Chat messages (chat completions).
+    Chat(Vec<ChatMessage>),
+}
+
+/// A parsed generation request (chat or completion).
+#[derive(Debug, Clone)]
+pub struct GenParams {
+    /// The model name given (informational).
+    pub model: Option<String>,
+    /// The prompt.
+    pub prompt: Prompt,
+    /// `max_tokens` / `max_completion_tokens`; `None`: the rest of the context.
+    pub max_tokens: Option<u32>,
+    /// Sampling, with the seed not yet resolved when `seed` is `None`.
+    pub sampling: SamplingParams,
+    /// The request's seed.
+    pub seed: Option<u64>,
+    /// Stop strings.
+    pub stop: Vec<String>,
+    /// Extra stop token ids (`stop_token_ids`).
+    pub stop_token_ids: Vec<u32>,
+    /// Ignore eos.
+    pub ignore_eos: bool,
+    /// Stream the reply as server-sent events.
+    pub stream: bool,
+    /// `stream_options.include_usage`.
+    pub include_usage: bool,
+    /// Drafting on (default true).
+    pub draft: bool,
+}
+
+impl GenParams {
+    /// The seed to use: the request's, else `prompt_seed(prompt)`.
+    pub fn resolved_sampling(&self, prompt: &[u32]) -> flashplan_plan::SamplingParams {
+        let mut s = self.sampling;
+        s.seed = self.seed.unwrap_or_else(|| prompt_seed(prompt));
+        s.into()
+    }
+}
+
+/// Parses a body as a JSON object.
+///
+/// # Errors
+/// 400 for malformed JSON or a non-object.
+pub fn parse_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
+    let v: Value = serde_json::from_slice(body).map_err(|e| {
+        ApiError::invalid(None, format!("the request body is not valid JSON: {e}"))
+            .code("invalid_json")
+    })?;
+    match v {
+        Value::Object(m) => Ok(m),
+        other => Err(ApiError::invalid(
+            None,
+            format!(
+                "the request body must be a JSON object, got {}",
+                type_name(&other)
+            ),
+        )),
+    }
+}
+
+/// The JSON type name of a value, for messages.
+pub fn type_name(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+fn present<'a>(m: &'a Map<String, Value>, k: &str) -> Option<&'a Value> {
+    m.get(k).filter(|v| !v.is_null())
+}
+
+fn wrong(k: &str, want: &str, v: &Value) -> ApiError {
+    ApiError::invalid(
+        Some(k),
+        format!("`{k}` must be {want}, got {}: {v}", type_name(v)),
+    )
+}
+
+/// An optional number field.
+fn num(m: &Map<String, Value>, k: &str) -> Result<Option<f64>, ApiError> {
+    match present(m, k) {
+        None => Ok(None),
+        Some(v) => v.as_f64().map(Some).ok_or_else(|| wrong(k, "a number", v)),
+    }
+}
+
+/// An optional integer field.
+fn int(m: &Map<String, Value>, k: &str) -> Result<Option<i64>, ApiError> {
+    match present(m, k) {
+        None => Ok(None),
+        Some(v) => v
+            .as_i64()
+            .or_else(|| v.as_u64().map(|u| u as i64))
+            .map(Some)
+            .ok_or_else(|| wrong(k, "an integer", v)),
+    }
+}
+
+/// An optional boolean field.
+pub fn boolean(m: &Map<String, Value>, k: &str) -> Result<Option<bool>, ApiError> {
+    match present(m, k) {
+        None => Ok(None),
+        Some(v) => v
+            .as_bool()
+            .map(Some)
+            .ok_or_else(|| wrong(k, "a boolean", v)),
+    }
+}
+
+/// Token ids from a JSON array.
+pub fn token_ids(k: &str, items: &[Value]) -> Result<Vec<u32>, ApiError> {
+    items
+        .iter()
+        .map(|v| {
+            v.as_u64()
+                .and_then(|u| u32::try_from(u).ok())
+                .ok_or_else(|| {
+                    ApiError::invalid(
+                        Some(k),
+                        format!("`{k}` token ids must be non-negative integers, got {v}"),
+                    )
+                })
+        })
+        .collect()
+}
+
+fn parse_prompt(m: &Map<String, Value>) -> Result<Prompt, ApiError> {
+    let v = present(m, "prompt")
+        .ok_or_else(|| ApiError::invalid(Some("prompt"), "`prompt` is required"))?;
+    match v {
+        Value::String(s) => Ok(Prompt::Text(s.clone())),
+        Value::Array(a) if a.is_empty() => Err(ApiError::invalid(
+            Some("prompt"),
+            "`prompt` is an empty array",
+        )),
+        Value::Array(a) if a.iter().all(|x| x.is_number()) => {
+            Ok(Prompt::Ids(token_ids("prompt", a)?))
+        }
+        Value::Array(a) if a.len() == 1 => match &a[0] {
+            Value::String(s) => Ok(Prompt::Text(s.clone())),
+            Value::Array(ids) => Ok(Prompt::Ids(token_ids("prompt", ids)?)),
+            other => Err(wrong("prompt", "a string or an array of token ids", other)),
+        },
+        Value::Array(_) => Err(ApiError::invalid(
+            Some("prompt"),
+            "`prompt` must be one string or one array of token ids (batches are not supported: send one request per prompt)",
+        )),
+        other => Err(wrong("prompt", "a string or an array of token ids", other)),
+    }
+}
+
+fn parse_messages(m: &Map<String, Value>) -> Result<Prompt, ApiError> {
+    let v = present(m, "messages")
+        .ok_or_else(|| ApiError::invalid(Some("messages"), "`messages` is required"))?;
+    let arr = v
+        .as_array()
+        .ok_or_else(|| wrong("messages", "an array of messages", v))?;
+    if arr.is_empty() {
+        return Err(ApiError::invalid(Some("messages"), "`messages` is empty"));
+    }
+    let mut out = Vec::with_capacity(arr.len());
+    for (i, msg) in arr.iter().enumerate() {
+        let p = format!("messages[{i}]");
+        let o = msg
+            .as_object()
+            .ok_or_else(|| wrong(&p, "an object with `role` and `content`", msg))?;
+        let role = o
+            .get("role")
+            .and_then(|r| r.as_str())
+            .ok_or_else(|| ApiError::invalid(Some(&p), format!("`{p}.role` must be a string")))?;
+        let content = match o.get("content") {
+            None | Some(Value::Null) => String::new(),
+            Some(Value::String(s)) => s.clone(),
+            Some(Value::Array(parts)) => {
+                let mut s = String::new();
+                for part in parts {
+                    match (
+                        part.get("type").and_then(|t| t.as_str()),
+                        part.get("text").and_then(|t| t.as_str()),
+                    ) {
+                        (Some("text"), Some(t)) => s.push_str(t),
+                        _ => {
+                            return Err(ApiError::invalid(
+                                Some(&p),
+                                format!("`{p}.content` parts must be {{\"type\": \"text\", \"text\": ...}} (only text is supported), got {part}"),
+                            ))
+                        }
+                    }
+                }
+                s
+            }
+            Some(other) => return Err(wrong(&format!("{p}.content"), "a string", other)),
+        };
+        out.push(ChatMessage {
+            role: role.to_string(),
+            content,
+        });
+    }
+    Ok(Prompt::Chat(out))
+}
+
+/// Parses a `/v1/completions` (`chat == false`) or `/v1/chat/completions` body.
+///
+/// # Errors
+/// 400 naming the field that is missing, of the wrong type or out of range.
+pub fn parse_gen(m: &Map<String, Value>, chat: bool) -> Result<GenParams, ApiError> {
+    let model = match present(m, "model") {
+        None => None,
+        Some(Value::String(s)) => Some(s.clone()),
+        Some(v) => return Err(wrong("model", "a string", v)),
+    };
+    let prompt = if chat {
+        parse_messages(m)?
+    } else {
+        parse_prompt(m)?
+    };
+    let mut max_tokens = None;
+    for k in ["max_tokens", "max_completion_tokens"] {
+        if let Some(n) = int(m, k)? {
+            if n < 1 || n > u32::MAX as i64 {
+                return Err(ApiError::invalid(
+                    Some(k),
+                    format!("`{k}` must be at least 1, got {n}"),
+                ));
+            }
+            max_tokens = Some(n as u32);
+        }
+    }
+    if let Some(n) = int(m, "n")? {
+        if n != 1 {
+            return Err(ApiError::invalid(
+                Some("n"),
+                format!("`n` must be 1 (one choice per request), got {n}"),
+            ));
+        }
+    }
+    let temperature = num(m, "temperature")?.unwrap_or(1.0);
+    let top_p = num(m, "top_p")?.unwrap_or(1.0);
+    let min_p = num(m, "min_p")?.unwrap_or(0.0);
+    let top_k = match int(m, "top_k")? {
+        None | Some(-1) => 0,
+        Some(k) if (0..=u32::MAX as i64).contains(&k) => k as u32,
+        Some(k) => {
+            return Err(ApiError::invalid(
+                Some("top_k"),
+                format!("`top_k` must be >= 0 (or -1 for off), got {k}"),
+            ))
+        }
+    };
+    let sampling = SamplingParams {
+        temperature: temperature as f32,
+        top_k,
+        top_p: top_p as f32,
+        min_p: min_p as f32,
+        seed: 0,
+    };
+    if let Err(e) = sampling.validate() {
+        let param = match e {
+            crate::sampler::SamplingError::Temperature(_) => "temperature",
+            crate::sampler::SamplingError::TopP(_) => "top_p",
+            crate::sampler::SamplingError::MinP(_) => "min_p",
+        };
+        return Err(ApiError::invalid(Some(param), e.to_string()));
+    }
+    let seed = int(m, "seed")?.map(|s| s as u64);
+    let stop = match present(m, "stop") {
+        None => vec![],
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|x| {
+                x.as_str()
+                    .map(str::to_string)
+                    .ok_or_else(|| wrong("stop", "a string or an array of strings", x))
+            })
+            .collect::<Result<_, _>>()?,
+        Some(v) => return Err(wrong("stop", "a string or an array of strings", v)),
+    };
+    let stop_token_ids = match present(m, "stop_token_ids") {
+        None => vec![],
+        Some(Value::Array(a)) => token_ids("stop_token_ids", a)?,
+        Some(v) => return Err(wrong("stop_token_ids", "an array of token ids", v)),
+    };
+    let include_usage = match present(m, "stream_options") {
+        None => false,
+        Some(Value::Object(o)) => boolean(o, "include_usage")
+            .map_err(|mut e| {
+                e.param = Some("stream_options.include_usage".into());
+                e
+            })?
+            .unwrap_or(false),
+        Some(v) => return Err(wrong("stream_options", "an object", v)),
+    };
+    for k in ["logprobs", "echo"] {
+        if let Some(v) = present(m, k) {
+            if v.as_bool() == Some(true) || (v.is_number() && k == "logprobs") {
+                return Err(ApiError::invalid(
+                    Some(k),
+                    format!("`{k}` is not supported by this server"),
+                ));
+            }
+        }
+    }
+    Ok(GenParams {
+        model,
+        prompt,
+        max_tokens,
+        sampling,
+        seed,
+        stop,
+        stop_token_ids,
+        ignore_eos: boolean(m, "ignore_eos")?.unwrap_or(false),
+        stream: boolean(m, "stream")?.unwrap_or(false),
+        include_usage,
+        draft: boolean(m, "draft")?.unwrap_or(true),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn p(s: &str, chat: bool) -> Result<GenParams, ApiError> {
+        parse_gen(&parse_object(s.as_bytes())?, chat)
+    }
+
+    #[test]
+    fn good_and_bad_requests() {
+        let g = p(
+            r#"{"prompt": [1,2,3], "max_tokens": 4, "temperature": 0, "stop": ["x"], "draft": false}"#,
+            false,
+        )
+        .unwrap();
+        assert!(matches!(g.prompt, Prompt::Ids(ref v) if v == &[1, 2, 3]));
+        assert!(!g.draft);
+        assert_eq!(g.max_tokens, Some(4));
+        for (body, param) in [
+            (r#"{"prompt": "a", "temperature": -1}"#, Some("temperature")),
+            (r#"{"prompt": "a", "stop": 3}"#, Some("stop")),
+            (r#"{"prompt": "a", "top_p": 0}"#, Some("top_p")),
+            (r#"{"prompt": "a", "max_tokens": "x"}"#, Some("max_tokens")),
+            (r#"{"prompt": [1, -2]}"#, Some("prompt")),
+            (r#"{"prompt": "a""#, None),
+            (r#"{"temperature": 0}"#, Some("prompt")),
+        ] {
+            let e = p(body, false).unwrap_err();
+            assert_eq!(e.status, 400, "{body}");
+            assert_eq!(e.param.as_deref(), param, "{body}: {}", e.message);
+        }
+        assert!(p(r#"{"messages": "hi"}"#, true).is_err());
+        assert!(p(r#"{"messages": [{"role": "user", "content": "hi"}]}"#, true).is_ok());
+    }
+}

@@ -1,0 +1,487 @@
+//! The OpenAI-compatible HTTP server (axum + tokio): `POST /v1/chat/completions`, `POST /v1/completions`
+//! (streamed as server-sent events or not), `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text),
+//! `POST /tokenize`, `POST /detokenize`. Every reply carries `usage` and a `flashplan` block (decode seconds,
+//! rounds, drafted and accepted per drafter, `token_sha`).
+
+pub mod api;
+pub mod client;
+pub mod error;
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures::stream::{self, Stream, StreamExt};
+use serde_json::{json, Value};
+use tokio::sync::mpsc::UnboundedReceiver;
+
+use crate::engine::Request;
+use crate::service::{Completion, GenRequest, Service, StreamEvent};
+use api::{parse_gen, parse_object, GenParams, Prompt};
+pub use error::ApiError;
+
+/// Shared state of the handlers.
+#[derive(Clone, Debug)]
+pub struct AppState {
+    /// The engine service.
+    pub service: Service,
+    /// The model name answered in `/v1/models` and responses.
+    pub model_name: String,
+}
+
+/// The router with every endpoint.
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
+        .fallback(|| async {
+            ApiError {
+                status: StatusCode::NOT_FOUND,
+                message: "no such endpoint".into(),
+                kind: "invalid_request_error",
+                param: None,
+                code: Some("not_found"),
+            }
+        })
+        .with_state(state)
+}
+
+/// Serves the router on a bound listener until `shutdown` resolves.
+///
+/// # Errors
+/// The listener's I/O error.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: AppState,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(state))
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+/// Binds `addr` (127.0.0.1 unless told otherwise) and serves until Ctrl-C.
+///
+/// # Errors
+/// Binding or serving failed.
+pub async fn serve_addr(addr: SocketAddr, state: AppState) -> std::io::Result<()> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    serve(listener, state, async {
+        let _ = tokio::signal::ctrl_c().await;
+    })
+    .await
+}
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+fn request_id(prefix: &str) -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    format!(
+        "{prefix}-{:x}{:06x}",
+        now(),
+        N.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// The `flashplan` block of a reply.
+pub fn flashplan_block(c: &Completion) -> Value {
+    let s = &c.stats;
+    json!({
+        "decode_s": s.decode_s,
+        "prefill_s": s.prefill_s,
+        "rounds": s.rounds,
+        "tokens_per_round": s.tokens_per_round(),
+        "drafted": s.drafted_copy + s.drafted_mtp,
+        "accepted": s.accepted_copy + s.accepted_mtp,
+        "copy": {"drafted": s.drafted_copy, "accepted": s.accepted_copy, "rounds": s.copy_rounds},
+        "mtp": {"drafted": s.drafted_mtp, "accepted": s.accepted_mtp, "rounds": s.mtp_rounds},
+        "token_sha": c.token_sha,
+    })
+}
+
+fn usage(c: &Completion) -> Value {
+    json!({
+        "prompt_tokens": c.prompt_tokens,
+        "completion_tokens": c.completion_tokens,
+        "total_tokens": c.prompt_tokens + c.completion_tokens,
+    })
+}
+
+/// Tokenizes the prompt and builds the engine request.
+fn build(state: &AppState, p: &GenParams, chat: bool) -> Result<GenRequest, ApiError> {
+    let tok = &state.service.tokenizer;
+    let ids = match &p.prompt {
+        Prompt::Ids(ids) => ids.clone(),
+        Prompt::Text(t) => tok
+            .encode(t, true)
+            .map_err(|e| ApiError::invalid(Some("prompt"), e.to_string()))?,
+        Prompt::Chat(msgs) => {
+            let text = tok
+                .apply_chat_template(msgs, true)
+                .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?;
+            tok.encode(&text, false)
+                .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?
+        }
+    };
+    let info = &state.service.info;
+    let param = if chat { "messages" } else { "prompt" };
+    if ids.is_empty() {
+        return Err(ApiError::invalid(Some(param), "the prompt is empty").code("empty_prompt"));
+    }
+    if let Some(&bad) = ids.iter().find(|&&t| t >= info.vocab_size) {
+        return Err(ApiError::invalid(
+            Some(param),
+            format!(
+                "token id {bad} is outside the vocabulary of {}",
+                info.vocab_size
+            ),
+        )
+        .code("invalid_token_id"));
+    }
+    let room = info
+        .context
+        .saturating_sub(ids.len() as u64 + info.max_depth as u64 + 1);
+    if room == 0 {
+        return Err(ApiError::invalid(
+            Some(param),
+            format!(
+                "the prompt is too long: {} tokens, and the context holds {} (with {} kept for one verify window and at least one reply token)",
+                ids.len(),
+                info.context,
+                info.max_depth + 1
+            ),
+        )
+        .code("context_length_exceeded"));
+    }
+    let max_tokens = p.max_tokens.unwrap_or(room.min(u32::MAX as u64) as u32);
+    let mut stop_token_ids = p.stop_token_ids.clone();
+    if chat {
+        // Chat replies end at the end-of-turn token too.
+        if let Some(id) = tok.token_id("<|im_end|>") {
+            stop_token_ids.push(id);
+        }
+    }
+    Ok(GenRequest {
+        request: Request {
+            sampling: p.resolved_sampling(&ids),
+            prompt: ids,
+            max_tokens,
+            stop_token_ids,
+            ignore_eos: p.ignore_eos,
+            draft: p.draft,
+        },
+        stop: p.stop.clone(),
+    })
+}
+
+async fn chat_completions(State(state): State<AppState>, body: Bytes) -> Response {
+    generate(state, body, true).await
+}
+
+async fn completions(State(state): State<AppState>, body: Bytes) -> Response {
+    generate(state, body, false).await
+}
+
+async fn generate(state: AppState, body: Bytes, chat: bool) -> Response {
+    let parsed = parse_object(&body).and_then(|m| parse_gen(&m, chat));
+    let p = match parsed {
+        Ok(p) => p,
+        Err(e) => return e.into_response(),
+    };
+    let req = match build(&state, &p, chat) {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    let rx = match state.service.submit(req).await {
+        Ok(rx) => rx,
+        Err(e) => return ApiError::from(e).into_response(),
+    };
+    let model = p.model.clone().unwrap_or_else(|| state.model_name.clone());
+    let id = request_id(if chat { "chatcmpl" } else { "cmpl" });
+    if p.stream {
+        sse_response(rx, id, model, chat, p.include_usage).into_response()
+    } else {
+        whole_response(rx, id, model, chat).await
+    }
+}
+
+async fn whole_response(
+    mut rx: UnboundedReceiver<StreamEvent>,
+    id: String,
+    model: String,
+    chat: bool,
+) -> Response {
+    let mut text = String::new();
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            StreamEvent::Text { text: t, .. } => text.push_str(&t),
+            StreamEvent::Error(e) => return ApiError::internal(e).into_response(),
+            StreamEvent::Done(c) => {
+                let choice = if chat {
+                    json!({"index": 0, "message": {"role": "assistant", "content": text},
+                           "logprobs": null, "finish_reason": c.finish_reason})
+                } else {
+                    json!({"index": 0, "text": text, "logprobs": null, "finish_reason": c.finish_reason})
+                };
+                return Json(json!({
+                    "id": id,
+                    "object": if chat { "chat.completion" } else { "text_completion" },
+                    "created": now(),
+                    "model": model,
+                    "choices": [choice],
+                    "usage": usage(&c),
+                    "flashplan": flashplan_block(&c),
+                }))
+                .into_response();
+            }
+        }
+    }
+    ApiError::internal("the engine dropped the request").into_response()
+}
+
+struct SseState {
+    rx: Option<UnboundedReceiver<StreamEvent>>,
+    id: String,
+    model: String,
+    chat: bool,
+    include_usage: bool,
+    created: u64,
+    sent_role: bool,
+}
+
+impl SseState {
+    fn chunk(&self, delta: Option<&str>, finish: Option<Value>, extra: Option<Value>) -> Value {
+        let choice = if self.chat {
+            let mut d = serde_json::Map::new();
+            if !self.sent_role {
+                d.insert("role".into(), json!("assistant"));
+            }
+            if let Some(t) = delta {
+                d.insert("content".into(), json!(t));
+            }
+            json!({"index": 0, "delta": d, "logprobs": null, "finish_reason": finish})
+        } else {
+            json!({"index": 0, "text": delta.unwrap_or(""), "logprobs": null, "finish_reason": finish})
+        };
+        let mut v = json!({
+            "id": self.id,
+            "object": if self.chat { "chat.completion.chunk" } else { "text_completion" },
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        });
+        if let (Some(Value::Object(e)), Value::Object(o)) = (extra, &mut v) {
+            o.extend(e);
+        }
+        v
+    }
+}
+
+fn data(v: &Value) -> Result<SseEvent, Infallible> {
+    Ok(SseEvent::default().data(v.to_string()))
+}
+
+fn sse_response(
+    rx: UnboundedReceiver<StreamEvent>,
+    id: String,
+    model: String,
+    chat: bool,
+    include_usage: bool,
+) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
+    let st = SseState {
+        rx: Some(rx),
+        id,
+        model,
+        chat,
+        include_usage,
+        created: now(),
+        sent_role: false,
+    };
+    // Each step yields the events for one message from the engine; dropping the stream (client gone) drops the
+    // receiver, and the engine cancels the stream at the next round.
+    let s = stream::unfold(st, |mut st| async move {
+        let rx = st.rx.as_mut()?;
+        let ev = rx.recv().await;
+        let mut out = Vec::new();
+        match ev {
+            Some(StreamEvent::Text { text, .. }) => {
+                if !text.is_empty() || (st.chat && !st.sent_role) {
+                    out.push(data(&st.chunk(Some(&text), None, None)));
+                    st.sent_role = true;
+                }
+            }
+            Some(StreamEvent::Done(c)) => {
+                let extra = if st.include_usage {
+                    json!({"flashplan": flashplan_block(&c)})
+                } else {
+                    json!({"usage": null, "flashplan": flashplan_block(&c)})
+                };
+                let fin = st.chunk(
+                    if st.chat { None } else { Some("") },
+                    Some(json!(c.finish_reason)),
+                    Some(extra),
+                );
+                out.push(data(&fin));
+                st.sent_role = true;
+                if st.include_usage {
+                    let mut u = json!({
+                        "id": st.id, "object": if st.chat { "chat.completion.chunk" } else { "text_completion" },
+                        "created": st.created, "model": st.model, "choices": [],
+                        "usage": usage(&c), "flashplan": flashplan_block(&c),
+                    });
+                    if let Value::Object(o) = &mut u {
+                        o.remove("choices");
+                        o.insert("choices".into(), json!([]));
+                    }
+                    out.push(data(&u));
+                }
+                out.push(Ok(SseEvent::default().data("[DONE]")));
+                st.rx = None;
+            }
+            Some(StreamEvent::Error(e)) => {
+                out.push(data(&ApiError::internal(e).body()));
+                out.push(Ok(SseEvent::default().data("[DONE]")));
+                st.rx = None;
+            }
+            None => {
+                out.push(data(
+                    &ApiError::internal("the engine dropped the request").body(),
+                ));
+                st.rx = None;
+            }
+        }
+        Some((stream::iter(out), st))
+    })
+    .flatten();
+    Sse::new(s)
+}
+
+async fn models(State(state): State<AppState>) -> Json<Value> {
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": state.model_name,
+            "object": "model",
+            "created": now(),
+            "owned_by": "flashplan",
+            "max_model_len": state.service.info.context,
+        }],
+    }))
+}
+
+async fn health(State(state): State<AppState>) -> Response {
+    if state.service.is_alive() {
+        Json(json!({"status": "ok"})).into_response()
+    } else {
+        ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: "the engine thread has stopped".into(),
+            kind: "server_error",
+            param: None,
+            code: Some("engine_unavailable"),
+        }
+        .into_response()
+    }
+}
+
+async fn metrics(State(state): State<AppState>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        state.service.metrics.render(),
+    )
+        .into_response()
+}
+
+async fn tokenize(State(state): State<AppState>, body: Bytes) -> Response {
+    let run = || -> Result<Value, ApiError> {
+        let m = parse_object(&body)?;
+        let tok = &state.service.tokenizer;
+        let ids = if m.contains_key("messages") {
+            let Prompt::Chat(msgs) = parse_gen(&m, true)?.prompt else {
+                return Err(ApiError::internal("unreachable"));
+            };
+            let add = api::boolean(&m, "add_generation_prompt")?.unwrap_or(true);
+            let text = tok
+                .apply_chat_template(&msgs, add)
+                .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?;
+            tok.encode(&text, false)
+                .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?
+        } else {
+            match m.get("prompt") {
+                Some(Value::String(s)) => {
+                    let add = api::boolean(&m, "add_special_tokens")?.unwrap_or(true);
+                    tok.encode(s, add)
+                        .map_err(|e| ApiError::invalid(Some("prompt"), e.to_string()))?
+                }
+                Some(v) => {
+                    return Err(ApiError::invalid(
+                        Some("prompt"),
+                        format!("`prompt` must be a string, got {}", api::type_name(v)),
+                    ))
+                }
+                None => {
+                    return Err(ApiError::invalid(
+                        Some("prompt"),
+                        "give `prompt` (a string) or `messages`",
+                    ))
+                }
+            }
+        };
+        Ok(json!({"count": ids.len(), "max_model_len": state.service.info.context, "tokens": ids}))
+    };
+    match run() {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn detokenize(State(state): State<AppState>, body: Bytes) -> Response {
+    let run = || -> Result<Value, ApiError> {
+        let m = parse_object(&body)?;
+        let ids = match m.get("tokens") {
+            Some(Value::Array(a)) => api::token_ids("tokens", a)?,
+            Some(v) => {
+                return Err(ApiError::invalid(
+                    Some("tokens"),
+                    format!("`tokens` must be an array of token ids, got {}", api::type_name(v)),
+                ))
+            }
+            None => return Err(ApiError::invalid(Some("tokens"), "`tokens` is required")),
+        };
+        let vocab = state.service.tokenizer.vocab_size();
+        if let Some(&bad) = ids.iter().find(|&&t| t >= vocab) {
+            return Err(ApiError::invalid(
+                Some("tokens"),
+                format!("token id {bad} is outside the vocabulary of {vocab}"),
+            ));
+        }
+        let text = state
+            .service
+            .tokenizer
+            .decode(&ids, false)
+            .map_err(|e| ApiError::invalid(Some("tokens"), e.to_string()))?;
+        Ok(json!({"prompt": text}))
+    };
+    match run() {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}

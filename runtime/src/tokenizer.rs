@@ -1,0 +1,517 @@
+//! Tokenizer, chat template and streaming text: loads `tokenizer.json` (the `tokenizers` crate) and
+//! `tokenizer_config.json` (chat template, special tokens), renders chat templates with minijinja (with the
+//! Python-compatible string and dict methods of `minijinja-contrib`), turns reply tokens into text incrementally for
+//! streaming, and finds stop strings (`rounds.md` section 1 step 3).
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+/// Errors loading a tokenizer or rendering a chat template.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    /// A file could not be read.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// `tokenizer.json` could not be parsed.
+    #[error("{path}: {message}")]
+    Load {
+        /// The file.
+        path: PathBuf,
+        /// What the tokenizers crate said.
+        message: String,
+    },
+    /// `tokenizer_config.json` is not valid JSON.
+    #[error("{path}: {source}")]
+    Config {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: serde_json::Error,
+    },
+    /// Encoding or decoding failed.
+    #[error("tokenizer: {0}")]
+    Codec(String),
+    /// The model has no chat template.
+    #[error("the model has no chat template (tokenizer_config.json has no chat_template)")]
+    NoChatTemplate,
+    /// The chat template failed to render.
+    #[error("chat template: {0}")]
+    Template(String),
+}
+
+/// One chat message.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChatMessage {
+    /// `system`, `user`, `assistant`, ...
+    pub role: String,
+    /// The text.
+    pub content: String,
+}
+
+/// A special token in `tokenizer_config.json`: a plain string or an `AddedToken` object with `content`.
+fn token_string(v: Option<&serde_json::Value>) -> Option<String> {
+    match v? {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Object(m) => m.get("content")?.as_str().map(str::to_string),
+        _ => None,
+    }
+}
+
+/// A model's tokenizer with its chat template and special tokens.
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    chat_template: Option<String>,
+    /// The eos token string, if declared.
+    pub eos_token: Option<String>,
+    /// The bos token string, if declared.
+    pub bos_token: Option<String>,
+    /// The pad token string, if declared.
+    pub pad_token: Option<String>,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("vocab", &self.vocab_size())
+            .field("eos_token", &self.eos_token)
+            .field("chat_template", &self.chat_template.is_some())
+            .finish()
+    }
+}
+
+impl Tokenizer {
+    /// Loads `DIR/tokenizer.json` and, when present, `DIR/tokenizer_config.json`.
+    ///
+    /// # Errors
+    /// [`TokenizerError`] naming the file.
+    pub fn from_dir(dir: &Path) -> Result<Self, TokenizerError> {
+        let cfg = dir.join("tokenizer_config.json");
+        Self::from_files(
+            &dir.join("tokenizer.json"),
+            cfg.exists().then_some(cfg.as_path()),
+        )
+    }
+
+    /// Loads a `tokenizer.json` and an optional `tokenizer_config.json`.
+    ///
+    /// # Errors
+    /// [`TokenizerError`] naming the file.
+    pub fn from_files(tokenizer: &Path, config: Option<&Path>) -> Result<Self, TokenizerError> {
+        let bytes = std::fs::read(tokenizer).map_err(|source| TokenizerError::Io {
+            path: tokenizer.to_path_buf(),
+            source,
+        })?;
+        let inner =
+            tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| TokenizerError::Load {
+                path: tokenizer.to_path_buf(),
+                message: e.to_string(),
+            })?;
+        let mut t = Tokenizer {
+            inner,
+            chat_template: None,
+            eos_token: None,
+            bos_token: None,
+            pad_token: None,
+        };
+        if let Some(cp) = config {
+            let text = std::fs::read_to_string(cp).map_err(|source| TokenizerError::Io {
+                path: cp.to_path_buf(),
+                source,
+            })?;
+            let v: serde_json::Value =
+                serde_json::from_str(&text).map_err(|source| TokenizerError::Config {
+                    path: cp.to_path_buf(),
+                    source,
+                })?;
+            t.chat_template = match v.get("chat_template") {
+                Some(serde_json::Value::String(s)) => Some(s.clone()),
+                // A list of named templates: take "default", else the first.
+                Some(serde_json::Value::Array(list)) => list
+                    .iter()
+                    .find(|e| e.get("name").and_then(|n| n.as_str()) == Some("default"))
+                    .or_else(|| list.first())
+                    .and_then(|e| e.get("template"))
+                    .and_then(|s| s.as_str())
+                    .map(str::to_string),
+                _ => None,
+            };
+            t.eos_token = token_string(v.get("eos_token"));
+            t.bos_token = token_string(v.get("bos_token"));
+            t.pad_token = token_string(v.get("pad_token"));
+        }
+        Ok(t)
+    }
+
+    /// The vocabulary size including added tokens.
+    pub fn vocab_size(&self) -> u32 {
+        self.inner.get_vocab_size(true) as u32
+    }
+
+    /// The id of a token string (a special token such as `<|im_end|>`), if it is in the vocabulary.
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// True when the tokenizer config has a chat template.
+    pub fn has_chat_template(&self) -> bool {
+        self.chat_template.is_some()
+    }
+
+    /// Encodes text. Special tokens written in the text (`<|im_start|>`) become their ids; `add_special_tokens`
+    /// applies the post-processor (bos and the like, if the tokenizer has one).
+    ///
+    /// # Errors
+    /// [`TokenizerError::Codec`].
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizerError> {
+        self.inner
+            .encode(text, add_special_tokens)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| TokenizerError::Codec(e.to_string()))
+    }
+
+    /// Decodes ids to text (lossy for incomplete UTF-8); `skip_special` leaves out special tokens.
+    ///
+    /// # Errors
+    /// [`TokenizerError::Codec`] (an id outside the vocabulary, for instance).
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String, TokenizerError> {
+        self.inner
+            .decode(ids, skip_special)
+            .map_err(|e| TokenizerError::Codec(e.to_string()))
+    }
+
+    /// Renders the chat template for `messages` (with `add_generation_prompt`), as transformers'
+    /// `apply_chat_template(..., tokenize=False)` does: the variables `messages`, `add_generation_prompt`,
+    /// `bos_token`, `eos_token`, `pad_token`, and `raise_exception`.
+    ///
+    /// # Errors
+    /// [`TokenizerError::NoChatTemplate`] or [`TokenizerError::Template`].
+    pub fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, TokenizerError> {
+        let src = self
+            .chat_template
+            .as_deref()
+            .ok_or(TokenizerError::NoChatTemplate)?;
+        render_template(
+            src,
+            minijinja::context! {
+                messages => messages,
+                add_generation_prompt => add_generation_prompt,
+                bos_token => self.bos_token.clone().unwrap_or_default(),
+                eos_token => self.eos_token.clone().unwrap_or_default(),
+                pad_token => self.pad_token.clone().unwrap_or_default(),
+            },
+        )
+    }
+}
+
+/// Renders a Jinja chat template the way transformers does (trimmed blocks, Python-compatible methods).
+fn render_template(src: &str, ctx: minijinja::Value) -> Result<String, TokenizerError> {
+    let mut env = minijinja::Environment::new();
+    env.set_trim_blocks(true);
+    env.set_lstrip_blocks(true);
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    minijinja_contrib::add_to_environment(&mut env);
+    env.add_function(
+        "raise_exception",
+        |msg: String| -> Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(
+                minijinja::ErrorKind::InvalidOperation,
+                msg,
+            ))
+        },
+    );
+    env.add_template("chat", src)
+        .map_err(|e| TokenizerError::Template(e.to_string()))?;
+    let tmpl = env
+        .get_template("chat")
+        .map_err(|e| TokenizerError::Template(e.to_string()))?;
+    tmpl.render(ctx)
+        .map_err(|e| TokenizerError::Template(e.to_string()))
+}
+
+/// Incremental detokenization: turns reply tokens into text pieces, emitting text only once it is complete UTF-8
+/// (a token that ends inside a multi-byte character waits for the next one). Decodes a short window of earlier
+/// tokens and the window plus the new ones, and emits the difference, so that tokenizers which change spacing at
+/// word starts stream the same text as a one-piece decode.
+#[derive(Debug, Clone, Default)]
+pub struct Detokenizer {
+    ids: Vec<u32>,
+    prefix_offset: usize,
+    read_offset: usize,
+}
+
+impl Detokenizer {
+    /// A detokenizer for a reply (no prompt context).
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds a token; returns the new text it completes (possibly empty).
+    ///
+    /// # Errors
+    /// [`TokenizerError::Codec`].
+    pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<String, TokenizerError> {
+        self.ids.push(id);
+        let prefix = tok.decode(&self.ids[self.prefix_offset..self.read_offset], true)?;
+        let full = tok.decode(&self.ids[self.prefix_offset..], true)?;
+        if full.len() > prefix.len() && !full.ends_with('\u{FFFD}') && full.starts_with(&prefix) {
+            let new = full[prefix.len()..].to_string();
+            self.prefix_offset = self.read_offset;
+            self.read_offset = self.ids.len();
+            Ok(new)
+        } else if !full.starts_with(&prefix) && !full.ends_with('\u{FFFD}') {
+            // The window's text changed shape (rare): emit what follows the common prefix.
+            let common = full
+                .char_indices()
+                .zip(prefix.chars())
+                .take_while(|((_, a), b)| a == b)
+                .last()
+                .map(|((i, c), _)| i + c.len_utf8())
+                .unwrap_or(0);
+            let new = full[common..].to_string();
+            self.prefix_offset = self.read_offset;
+            self.read_offset = self.ids.len();
+            Ok(new)
+        } else {
+            Ok(String::new())
+        }
+    }
+
+    /// The text not yet emitted (an incomplete character at the end decodes lossily); call at the end of a reply.
+    ///
+    /// # Errors
+    /// [`TokenizerError::Codec`].
+    pub fn flush(&mut self, tok: &Tokenizer) -> Result<String, TokenizerError> {
+        let prefix = tok.decode(&self.ids[self.prefix_offset..self.read_offset], true)?;
+        let full = tok.decode(&self.ids[self.prefix_offset..], true)?;
+        self.prefix_offset = self.ids.len();
+        self.read_offset = self.ids.len();
+        Ok(full.get(prefix.len()..).unwrap_or_default().to_string())
+    }
+
+    /// The tokens pushed so far.
+    pub fn ids(&self) -> &[u32] {
+        &self.ids
+    }
+}
+
+/// What one token did to a reply's text.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TextDelta {
+    /// Text safe to send now (never part of a stop string).
+    pub text: String,
+    /// A stop string was completed by this token: the reply ends here.
+    pub stopped: bool,
+}
+
+/// A reply's text as it streams: detokenizes tokens and finds stop strings. Text that could be the start of a
+/// stop string is held back until it is known not to be one; when a stop string completes, the text ends just
+/// before it (`rounds.md` section 1 step 3).
+#[derive(Debug, Clone, Default)]
+pub struct TextStream {
+    detok: Detokenizer,
+    stops: Vec<String>,
+    text: String,
+    sent: usize,
+    stopped: bool,
+}
+
+impl TextStream {
+    /// A stream with the given stop strings (empty ones are ignored).
+    pub fn new(stops: Vec<String>) -> Self {
+        TextStream {
+            stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
+            ..Default::default()
+        }
+    }
+
+    /// Adds a reply token.
+    ///
+    /// # Errors
+    /// [`TokenizerError::Codec`].
+    pub fn push(&mut self, tok: &Tokenizer, id: u32) -> Result<TextDelta, TokenizerError> {
+        if self.stopped {
+            return Ok(TextDelta {
+                text: String::new(),
+                stopped: true,
+            });
+        }
+        let piece = self.detok.push(tok, id)?;
+        self.text.push_str(&piece);
+        Ok(self.advance(false))
+    }
+
+    /// Ends the reply: returns the text still held back (nothing after a stop string).
+    ///
+    /// # Errors
+    /// [`TokenizerError::Codec`].
+    pub fn finish(&mut self, tok: &Tokenizer) -> Result<String, TokenizerError> {
+        if self.stopped {
+            return Ok(String::new());
+        }
+        let piece = self.detok.flush(tok)?;
+        self.text.push_str(&piece);
+        Ok(self.advance(true).text)
+    }
+
+    /// The reply's full text so far (what was sent plus what is held back; past a stop, up to the stop).
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+
+    /// The tokens pushed so far (including the one that completed a stop string).
+    pub fn ids(&self) -> &[u32] {
+        self.detok.ids()
+    }
+
+    fn advance(&mut self, end: bool) -> TextDelta {
+        // Search from where a stop string could start that ends in the new text.
+        let longest = self.stops.iter().map(|s| s.len()).max().unwrap_or(0);
+        let mut from = self.sent.saturating_sub(longest);
+        while !self.text.is_char_boundary(from) {
+            from -= 1;
+        }
+        let hit = self
+            .stops
+            .iter()
+            .filter_map(|s| self.text[from..].find(s.as_str()).map(|p| p + from))
+            .min();
+        if let Some(p) = hit {
+            let p = p.max(self.sent);
+            let text = self.text[self.sent..p].to_string();
+            self.text.truncate(p);
+            self.sent = p;
+            self.stopped = true;
+            return TextDelta {
+                text,
+                stopped: true,
+            };
+        }
+        let mut upto = self.text.len();
+        if !end {
+            // Hold back the longest suffix that is a proper prefix of a stop string.
+            for s in &self.stops {
+                for (i, _) in s.char_indices().skip(1) {
+                    if self.text.ends_with(&s[..i]) {
+                        upto = upto.min(self.text.len() - i);
+                    }
+                }
+            }
+        }
+        let upto = upto.max(self.sent);
+        let text = self.text[self.sent..upto].to_string();
+        self.sent = upto;
+        TextDelta {
+            text,
+            stopped: false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn root() -> PathBuf {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+    }
+
+    fn tiny() -> Tokenizer {
+        Tokenizer::from_dir(&root().join("models/flashnext-tiny")).expect("tokenizer")
+    }
+
+    #[test]
+    fn qwen_tokenizer_matches_expected() {
+        let dir = root().join("fixtures/qwen-tokenizer");
+        let t = Tokenizer::from_dir(&dir).expect("qwen tokenizer loads (ignore_merges)");
+        let exp: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap())
+                .unwrap();
+        let samples = exp["samples"].as_array().unwrap();
+        assert!(!samples.is_empty());
+        for s in samples {
+            let text = s["text"].as_str().unwrap();
+            let want: Vec<u32> = s["ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap() as u32)
+                .collect();
+            assert_eq!(t.encode(text, false).unwrap(), want, "text {text:?}");
+        }
+        for (name, id) in exp["special_tokens"].as_object().unwrap() {
+            assert_eq!(t.token_id(name), Some(id.as_u64().unwrap() as u32), "{name}");
+        }
+        assert_eq!(t.eos_token.as_deref(), Some("<|endoftext|>"));
+    }
+
+    #[test]
+    fn chat_template_renders() {
+        let t = tiny();
+        let out = t
+            .apply_chat_template(
+                &[ChatMessage {
+                    role: "user".into(),
+                    content: "hi".into(),
+                }],
+                true,
+            )
+            .unwrap();
+        assert_eq!(out, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
+    }
+
+    #[test]
+    fn pycompat_methods_work() {
+        let out = render_template(
+            "{{ messages[0]['content'].strip().upper() }}{% if messages[0].get('x') is none %}!{% endif %}",
+            minijinja::context! { messages => vec![ChatMessage { role: "u".into(), content: "  a b ".into() }] },
+        )
+        .unwrap();
+        assert_eq!(out, "A B!");
+    }
+
+    #[test]
+    fn streamed_text_equals_one_piece_decode() {
+        let t = tiny();
+        let text = "def f(x):\n    return x * 2  # héllo wörld ✓ 日本\n";
+        let ids = t.encode(text, false).unwrap();
+        let mut s = TextStream::new(vec![]);
+        let mut out = String::new();
+        for &id in &ids {
+            out.push_str(&s.push(&t, id).unwrap().text);
+        }
+        out.push_str(&s.finish(&t).unwrap());
+        assert_eq!(out, t.decode(&ids, true).unwrap());
+    }
+
+    #[test]
+    fn stop_string_cuts_text_at_the_completing_token() {
+        let t = tiny();
+        let text = "alpha beta gamma delta";
+        let ids = t.encode(text, false).unwrap();
+        let mut s = TextStream::new(vec!["gam".into()]);
+        let mut out = String::new();
+        let mut used = 0;
+        for &id in &ids {
+            used += 1;
+            let d = s.push(&t, id).unwrap();
+            out.push_str(&d.text);
+            if d.stopped {
+                break;
+            }
+        }
+        out.push_str(&s.finish(&t).unwrap());
+        assert_eq!(out, "alpha beta ");
+        assert!(used < ids.len());
+        assert_eq!(s.ids().len(), used);
+    }
+}
