@@ -33,6 +33,46 @@ impl SamplingParams {
     pub fn is_greedy(&self) -> bool {
         self.temperature == 0.0
     }
+
+    /// Checks the ranges: `temperature` finite and >= 0, `top_p` in (0, 1], `min_p` in [0, 1]. NaN fails every
+    /// check.
+    ///
+    /// # Errors
+    /// [`SamplingError`] naming the field and its value.
+    pub fn validate(&self) -> Result<(), SamplingError> {
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return Err(SamplingError::Temperature(self.temperature));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(SamplingError::TopP(self.top_p));
+        }
+        if !(self.min_p >= 0.0 && self.min_p <= 1.0) {
+            return Err(SamplingError::MinP(self.min_p));
+        }
+        Ok(())
+    }
+}
+
+impl Default for SamplingParams {
+    /// The same as [`SamplingParams::greedy`].
+    fn default() -> Self {
+        Self::greedy()
+    }
+}
+
+/// Why a [`SamplingParams`] was rejected by [`SamplingParams::validate`]; each variant names the field and carries
+/// the offending value.
+#[derive(Clone, Copy, Debug, PartialEq, thiserror::Error)]
+pub enum SamplingError {
+    /// `temperature` must be finite and >= 0 (0 means greedy).
+    #[error("temperature must be finite and >= 0, got {0}")]
+    Temperature(f32),
+    /// `top_p` must lie in (0, 1] (1 turns the filter off).
+    #[error("top_p must be in (0, 1], got {0}")]
+    TopP(f32),
+    /// `min_p` must lie in [0, 1] (0 turns the filter off).
+    #[error("min_p must be in [0, 1], got {0}")]
+    MinP(f32),
 }
 
 /// One stream's part of a round.

@@ -9,7 +9,6 @@
 //!
 //! Everything here is pure host code: no state, no allocation on the unfiltered path.
 
-use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::cmp::Ordering;
 
@@ -74,101 +73,7 @@ pub fn prompt_seed(prompt: &[u32]) -> u64 {
     u64::from_le_bytes(first) & (u64::MAX >> 1)
 }
 
-/// Why a [`SamplingParams`] was rejected by [`SamplingParams::validate`]; each variant names the field
-/// and carries the offending value.
-#[derive(Clone, Copy, Debug, PartialEq, thiserror::Error)]
-pub enum SamplingError {
-    /// `temperature` must be finite and >= 0 (0 means greedy).
-    #[error("temperature must be finite and >= 0, got {0}")]
-    Temperature(f32),
-    /// `top_p` must lie in (0, 1] (1 turns the filter off).
-    #[error("top_p must be in (0, 1], got {0}")]
-    TopP(f32),
-    /// `min_p` must lie in [0, 1] (0 turns the filter off).
-    #[error("min_p must be in [0, 1], got {0}")]
-    MinP(f32),
-}
-
-/// Per-request sampling parameters (rounds.md section 4).
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
-pub struct SamplingParams {
-    /// Softmax temperature; `0` means greedy (the lowest-id maximum logit).
-    pub temperature: f32,
-    /// Keep only the `top_k` best candidates by (logit descending, id ascending); `0` = off.
-    pub top_k: u32,
-    /// Keep the shortest prefix of the candidates whose probability mass reaches `top_p`; `1` = off.
-    pub top_p: f32,
-    /// Keep candidates with probability >= `min_p` times the largest probability; `0` = off.
-    pub min_p: f32,
-    /// The stream's seed: the request's `seed`, else [`prompt_seed`] of the prompt.
-    pub seed: u64,
-}
-
-impl SamplingParams {
-    /// Greedy decoding: temperature 0, all filters off, seed 0 (unused).
-    pub fn greedy() -> Self {
-        SamplingParams {
-            temperature: 0.0,
-            top_k: 0,
-            top_p: 1.0,
-            min_p: 0.0,
-            seed: 0,
-        }
-    }
-
-    /// True when `temperature == 0` (greedy: the lowest-id maximum logit, filters and seed unused).
-    pub fn is_greedy(&self) -> bool {
-        self.temperature == 0.0
-    }
-
-    /// Checks the ranges: `temperature` finite and >= 0, `top_p` in (0, 1], `min_p` in [0, 1].
-    /// NaN fails every check.
-    pub fn validate(&self) -> Result<(), SamplingError> {
-        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
-            return Err(SamplingError::Temperature(self.temperature));
-        }
-        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(SamplingError::TopP(self.top_p));
-        }
-        if !(self.min_p >= 0.0 && self.min_p <= 1.0) {
-            return Err(SamplingError::MinP(self.min_p));
-        }
-        Ok(())
-    }
-}
-
-impl Default for SamplingParams {
-    /// The same as [`SamplingParams::greedy`].
-    fn default() -> Self {
-        Self::greedy()
-    }
-}
-
-impl From<flashplan_plan::SamplingParams> for SamplingParams {
-    /// The same fields, from the round descriptor's copy (`flashplan_plan::desc::SamplingParams`).
-    fn from(p: flashplan_plan::SamplingParams) -> Self {
-        SamplingParams {
-            temperature: p.temperature,
-            top_k: p.top_k,
-            top_p: p.top_p,
-            min_p: p.min_p,
-            seed: p.seed,
-        }
-    }
-}
-
-impl From<SamplingParams> for flashplan_plan::SamplingParams {
-    /// The same fields, into the round descriptor's copy (`flashplan_plan::desc::SamplingParams`).
-    fn from(p: SamplingParams) -> Self {
-        flashplan_plan::SamplingParams {
-            temperature: p.temperature,
-            top_k: p.top_k,
-            top_p: p.top_p,
-            min_p: p.min_p,
-            seed: p.seed,
-        }
-    }
-}
+pub use flashplan_plan::desc::{SamplingError, SamplingParams};
 
 /// A logit as used for ordering: NaN counts as negative infinity (never chosen over a number), and
 /// -0.0 as 0.0 (so `total_cmp` ranks them equal, like `==`).
@@ -590,13 +495,6 @@ mod tests {
         let s = serde_json::to_string(&p).unwrap();
         let q: SamplingParams = serde_json::from_str(&s).unwrap();
         assert_eq!(p, q);
-    }
-
-    #[test]
-    fn converts_to_and_from_the_descriptor_copy() {
-        let p = params(0.7, 40, 0.9, 0.05, 99);
-        let d: flashplan_plan::SamplingParams = p.into();
-        assert_eq!(SamplingParams::from(d), p);
     }
 
     #[test]

@@ -89,6 +89,7 @@ pub struct HcWeights<'a> {
 
 /// Hyper-connection read of one row (`flash-next.md` section 4): returns the block input `a` (`[D]`) and the
 /// inject weights (`[C]`, when `inject` is present).
+#[allow(clippy::too_many_arguments)]
 pub fn hc_read(
     h: &[f32],
     w: &HcWeights,

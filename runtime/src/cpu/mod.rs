@@ -1121,7 +1121,7 @@ impl CpuBackend {
                             let row = &lg[r * vocab..(r + 1) * vocab];
                             let t = sampler::sample(
                                 row,
-                                &desc.streams[s].sampling.into(),
+                                &desc.streams[s].sampling,
                                 pos_of(s, j) + 1,
                             );
                             res[r] = (r, t, sampler::token_prob(row, t));
@@ -1142,7 +1142,7 @@ impl CpuBackend {
                                 _ => (s, d.pos as u64 + d.rows as u64 + 1),
                             };
                             let row = &lg[r * vocab..(r + 1) * vocab];
-                            let t = sampler::sample(row, &d.sampling.into(), position);
+                            let t = sampler::sample(row, &d.sampling, position);
                             res.push((s, t, sampler::token_prob(row, t)));
                         }
                     }
