@@ -322,3 +322,32 @@ fn committed_state_equals_plain_decoding() {
         assert!(compared >= 3, "too few common positions ({compared})");
     }
 }
+
+#[test]
+fn stop_inside_a_long_accepted_run_cuts_there() {
+    // A stop string completed by an early token of a round that accepts many copied drafts: the reply, its token
+    // list and its token count end at that token (the service turns stop strings into this callback).
+    let p = copy_prompt();
+    let mut e = tiny_engine(&[1], 15);
+    let (full, _, _) = solo(&mut e, req(&p, 40, false, SamplingParams::greedy()));
+    for cut in [1usize, 2, 3, 6] {
+        let mut e = tiny_engine(&[1], 15);
+        let count = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let c2 = count.clone();
+        e.on_token = Box::new(move |_, _| {
+            let n = c2.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+            if n == cut {
+                flashplan_runtime::engine::Control::Stop
+            } else {
+                flashplan_runtime::engine::Control::Continue
+            }
+        });
+        let (toks, reason, stats) = solo(&mut e, req(&p, 40, true, SamplingParams::greedy()));
+        assert_eq!(toks, full[..cut].to_vec(), "cut at {cut}");
+        assert_eq!(stats.tokens as usize, cut);
+        assert_eq!(reason, FinishReason::Stop);
+        if cut >= 2 {
+            assert!(stats.copy_round_tokens as usize >= cut || stats.rounds <= 1, "the cut fell inside a drafted round");
+        }
+    }
+}

@@ -1,0 +1,38 @@
+//! `flashplan demo` runs the bundled model and shows identical drafted and plain replies.
+
+use std::process::Command;
+
+#[test]
+fn demo_exits_zero_with_identical_replies() {
+    let cache = tempfile::tempdir().expect("tempdir");
+    let out = Command::new(env!("CARGO_BIN_EXE_flashplan"))
+        .arg("demo")
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("FLASHPLAN_CACHE", cache.path())
+        .output()
+        .expect("runs flashplan demo");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "demo failed:\n{stdout}\n{stderr}");
+    assert_eq!(
+        stdout
+            .matches("drafted == plain: identical replies")
+            .count(),
+        2,
+        "{stdout}"
+    );
+    assert!(stdout.contains("kept per round"), "{stdout}");
+    assert!(stderr.contains("running on the CPU backend"), "{stderr}");
+}
+
+#[test]
+fn unknown_env_value_refuses_to_start() {
+    let out = Command::new(env!("CARGO_BIN_EXE_flashplan"))
+        .arg("demo")
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("FLASHPLAN_COPY_DRAFTS", "maybe")
+        .output()
+        .expect("runs flashplan demo");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("FLASHPLAN_COPY_DRAFTS"));
+}

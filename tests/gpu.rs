@@ -1,0 +1,415 @@
+//! GPU checks (issue 4): the CUDA backend against the CPU backend on the fixtures. Skipped, with the reason
+//! printed, unless `FLASHPLAN_GPU=1` and a CUDA GPU is present. `scripts/gpu_check.sh` builds these here and runs
+//! them on the H200 machine.
+//!
+//! Oracle: the CPU backend with the same BF16-rounded weights the GPU holds, so the only differences left are f32
+//! summation order (warp trees instead of the CPU's 8-lane sums, fused multiply-adds) and the ulps of expf/sinf/cosf.
+//! Tolerance: max |diff| <= 1e-3 x max |logit| per row (those reorderings give ~1e-6 relative per op; 1e-3 leaves
+//! room for their growth over a few layers while catching any indexing or formula error, which gives O(1)).
+//! The distance to transformers' f32 logits (f32 weights) is printed too: it is the BF16 weight rounding itself.
+//! Row invariance is checked bit for bit: the same row across windows 1..16 and across stream counts.
+
+mod common;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use common::*;
+use flashplan_plan::{
+    CompileOptions, DrafterForm, IoBuf, ModelConfig, PlanBody, RoundDesc, SamplingParams,
+    StreamDesc, VariantKind,
+};
+use flashplan_runtime::backend::Backend;
+use flashplan_runtime::checkpoint::{load_checkpoint, LoadOptions};
+use flashplan_runtime::cpu::CpuBackend;
+use flashplan_runtime::cuda::{probe_gpu, CudaBackend};
+
+const TOL: f32 = 1e-3;
+const CHUNK: u32 = 16;
+
+fn gpu_ready() -> Option<String> {
+    if std::env::var("FLASHPLAN_GPU").as_deref() != Ok("1") {
+        eprintln!("skipped: set FLASHPLAN_GPU=1 to run the GPU checks (scripts/gpu_check.sh)");
+        return None;
+    }
+    match probe_gpu() {
+        Ok(name) => Some(name),
+        Err(why) => {
+            eprintln!("skipped: {why}");
+            None
+        }
+    }
+}
+
+fn plans(dir: &Path) -> (PlanBody, PlanBody) {
+    let text = std::fs::read_to_string(dir.join("config.json")).expect("config.json");
+    let cfg = ModelConfig::from_json_str(&text).expect("config parses");
+    let mut opts = CompileOptions {
+        arch: "sm_90a".into(),
+        max_depth: 15,
+        streams: vec![1, 2, 4],
+        context: 512,
+        prefill_chunk: CHUNK,
+    };
+    let gpu = flashplan_compiler::compile(&cfg, &opts, &Default::default(), "test", |_, _| {})
+        .unwrap_or_else(|e| panic!("compiling GPU plans: {e}"))
+        .body;
+    opts.arch = "cpu".into();
+    let cpu = flashplan_compiler::compile(&cfg, &opts, &Default::default(), "test", |_, _| {})
+        .expect("cpu plans")
+        .body;
+    (cpu, gpu)
+}
+
+fn desc(streams: &[(u32, u32, u32, &[u32])], window: u32) -> RoundDesc {
+    let mut tokens = Vec::new();
+    let mut sd = Vec::new();
+    for &(slot, pos, rows, toks) in streams {
+        let mut t = toks.to_vec();
+        t.resize(window as usize, 0);
+        tokens.extend(t);
+        sd.push(StreamDesc {
+            slot,
+            pos,
+            rows,
+            committed: pos,
+            src_row: 0,
+            sampling: SamplingParams::greedy(),
+        });
+    }
+    RoundDesc {
+        streams: sd,
+        tokens,
+    }
+}
+
+/// Max over rows of max|a-b| / max|b|.
+fn rel(a: &[f32], b: &[f32], width: usize) -> f32 {
+    a.chunks(width)
+        .zip(b.chunks(width))
+        .map(|(x, y)| {
+            let (d, m) = row_diff(x, y);
+            d / m.max(1e-30)
+        })
+        .fold(0f32, f32::max)
+}
+
+struct Report {
+    rows: Vec<(String, String, bool, String)>,
+}
+
+impl Report {
+    fn add(&mut self, fixture: &str, check: &str, ok: bool, detail: String) {
+        println!(
+            "| {fixture} | {check} | {} | {detail} |",
+            if ok { "pass" } else { "FAIL" }
+        );
+        self.rows
+            .push((fixture.into(), check.into(), ok, detail.clone()));
+    }
+}
+
+fn run_both(
+    cpu: &mut CpuBackend,
+    gpu: &mut CudaBackend,
+    kind: VariantKind,
+    d: &RoundDesc,
+) -> Result<(), String> {
+    cpu.run(kind, d).map_err(|e| format!("cpu: {e}"))?;
+    gpu.run(kind, d).map_err(|e| format!("gpu: {e}"))
+}
+
+fn fixture_checks(name: &str, dir: &Path, expected: &Path, rep: &mut Report) {
+    let t0 = std::time::Instant::now();
+    let (cpu_body, gpu_body) = plans(dir);
+    let vocab = cpu_body.config.vocab_size as usize;
+    let hcw = cpu_body.config.hc_width() as usize;
+    let mut w = load_checkpoint(dir, &cpu_body, &LoadOptions::default())
+        .expect("checkpoint")
+        .tensors;
+    for t in w.iter_mut().flatten() {
+        t.iter_mut()
+            .for_each(|x| *x = half::bf16::from_f32(*x).to_f32());
+    }
+    let cpu_body = Arc::new(cpu_body);
+    let w_arc = Arc::new(w.clone());
+    let mut cpu = CpuBackend::new(Arc::clone(&cpu_body), Arc::clone(&w_arc));
+    let mut gpu = match CudaBackend::new(Arc::new(gpu_body), &w) {
+        Ok(g) => g,
+        Err(e) => {
+            rep.add(name, "start", false, e.to_string());
+            return;
+        }
+    };
+    let exp = Expected::open(expected);
+    let prompt = exp.ids("prompt_ids");
+    let (_, tf_prefill) = exp.f32("prefill_logits");
+    let n = prompt.len();
+
+    // Prefill in chunks: logits of every row against the CPU (BF16 weights) and transformers (f32 weights).
+    let (mut worst, mut worst_tf, mut ok) = (0f32, 0f32, true);
+    let mut pos = 0;
+    while pos < n {
+        let rows = (n - pos).min(CHUNK as usize);
+        let d = desc(&[(0, pos as u32, rows as u32, &prompt[pos..pos + rows])], CHUNK);
+        if let Err(e) = run_both(&mut cpu, &mut gpu, VariantKind::Prefill { chunk: CHUNK }, &d) {
+            rep.add(name, "prefill", false, e);
+            return;
+        }
+        let g = &gpu.io(IoBuf::Logits)[..rows * vocab];
+        worst = worst.max(rel(g, &cpu.io(IoBuf::Logits)[..rows * vocab], vocab));
+        worst_tf = worst_tf.max(rel(g, &tf_prefill[pos * vocab..(pos + rows) * vocab], vocab));
+        ok &= gpu.io(IoBuf::Sampled)[0].to_bits() == cpu.io(IoBuf::Sampled)[0].to_bits();
+        pos += rows;
+    }
+    rep.add(
+        name,
+        "prefill-c16 logits vs CPU",
+        ok && worst <= TOL,
+        format!("{n} rows, max rel diff {worst:.2e} (vs transformers f32: {worst_tf:.2e}), sampled equal: {ok}"),
+    );
+    let state_after_prefill = cpu.slot_state(0);
+    // A CPU backend in the post-prefill state (the CPU backend has no state setter: prefill again).
+    let cpu_after_prefill = || {
+        let mut c = CpuBackend::new(Arc::clone(&cpu_body), Arc::clone(&w_arc));
+        let mut pos = 0;
+        while pos < n {
+            let rows = (n - pos).min(CHUNK as usize);
+            let d = desc(&[(0, pos as u32, rows as u32, &prompt[pos..pos + rows])], CHUNK);
+            c.run(VariantKind::Prefill { chunk: CHUNK }, &d).unwrap();
+            pos += rows;
+        }
+        c
+    };
+    let gstate = gpu.slot_state(0);
+    let sd = rel(&gstate, &state_after_prefill, gstate.len().max(1));
+    rep.add(name, "slot state after prefill", sd <= TOL, format!("max rel diff {sd:.2e}"));
+    let gpu_snapshot = gstate;
+    let first = cpu.io(IoBuf::Sampled)[0].to_bits();
+
+    // Greedy decode, one token a round (verify-s1-w1), each backend following its own tokens.
+    let steps = 24;
+    let (mut tc, mut tg) = (first, gpu.io(IoBuf::Sampled)[0].to_bits());
+    let (mut ct, mut gt) = (vec![tc], vec![tg]);
+    let mut worst = 0f32;
+    for t in 0..steps {
+        let p = (n + t) as u32;
+        cpu.run(VariantKind::Verify { streams: 1, window: 1 }, &desc(&[(0, p, 1, &[tc])], 1))
+            .unwrap();
+        gpu.run(VariantKind::Verify { streams: 1, window: 1 }, &desc(&[(0, p, 1, &[tg])], 1))
+            .unwrap();
+        if tc == tg {
+            worst = worst.max(rel(&gpu.io(IoBuf::Logits)[..vocab], &cpu.io(IoBuf::Logits)[..vocab], vocab));
+        }
+        tc = cpu.io(IoBuf::Sampled)[0].to_bits();
+        tg = gpu.io(IoBuf::Sampled)[0].to_bits();
+        ct.push(tc);
+        gt.push(tg);
+    }
+    let tf_ids = exp.ids("greedy_ids");
+    let agree_tf = gt.iter().zip(&tf_ids).take_while(|(a, b)| a == b).count();
+    rep.add(
+        name,
+        "greedy verify-s1-w1 tokens == CPU",
+        ct == gt && worst <= TOL,
+        format!("{} tokens, max rel diff {worst:.2e}; first {agree_tf} equal transformers' f32 greedy", gt.len()),
+    );
+
+    // Drafted windows: restore the post-prefill state; verify windows with the CPU's greedy continuation as
+    // drafts (all accepted) and with a wrong draft in the middle; also the lone-stream slot.
+    let cont = &ct; // cont[0] is the pending token at position n
+    for (label, kind) in [
+        ("verify-s1-w4", VariantKind::Verify { streams: 1, window: 4 }),
+        ("lone-w4", VariantKind::Lone { window: 4 }),
+        ("verify-s1-w16", VariantKind::Verify { streams: 1, window: 16 }),
+    ] {
+        let win = kind.shape().1 as usize;
+        for wrong in [false, true] {
+            let mut cpu = cpu_after_prefill();
+            gpu.set_slot_state(0, &gpu_snapshot).unwrap();
+            let mut toks: Vec<u32> = cont[..win].to_vec();
+            if wrong {
+                toks[win / 2] = (toks[win / 2] + 1) % vocab as u32;
+            }
+            let d = desc(&[(0, n as u32, win as u32, &toks)], win as u32);
+            if let Err(e) = run_both(&mut cpu, &mut gpu, kind, &d) {
+                rep.add(name, label, false, e);
+                continue;
+            }
+            let r = rel(&gpu.io(IoBuf::Logits)[..win * vocab], &cpu.io(IoBuf::Logits)[..win * vocab], vocab);
+            let same_tok = gpu.io(IoBuf::Sampled)[..win] == cpu.io(IoBuf::Sampled)[..win]
+                || gpu.io(IoBuf::Sampled)[..win]
+                    .iter()
+                    .zip(&cpu.io(IoBuf::Sampled)[..win])
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+            let keep = (gpu.io(IoBuf::Keep)[0].to_bits(), cpu.io(IoBuf::Keep)[0].to_bits());
+            let s = rel(&gpu.slot_state(0), &cpu.slot_state(0), cpu.slot_state(0).len().max(1));
+            rep.add(
+                name,
+                &format!("{label} drafts {}", if wrong { "with a wrong one" } else { "all right" }),
+                r <= TOL && same_tok && keep.0 == keep.1 && s <= TOL,
+                format!("logits {r:.2e}, tokens equal {same_tok}, keep {} vs {}, committed state {s:.2e}", keep.0, keep.1),
+            );
+        }
+    }
+
+    // Row invariance across windows: row j's logits bit-identical for every window 1..=16 (same state, same tokens).
+    let mut rows_ref: Vec<Option<Vec<f32>>> = vec![None; 16];
+    let mut identical = true;
+    for win in 1..=16usize {
+        gpu.set_slot_state(0, &gpu_snapshot).unwrap();
+        let d = desc(&[(0, n as u32, win as u32, &cont[..win])], win as u32);
+        gpu.run(VariantKind::Verify { streams: 1, window: win as u32 }, &d).unwrap();
+        let lg = gpu.io(IoBuf::Logits);
+        for (j, slot) in rows_ref.iter_mut().enumerate().take(win) {
+            let row = lg[j * vocab..(j + 1) * vocab].to_vec();
+            match slot {
+                None => *slot = Some(row),
+                Some(r) => identical &= r.iter().zip(&row).all(|(a, b)| a.to_bits() == b.to_bits()),
+            }
+        }
+    }
+    rep.add(name, "row invariance, windows 1..16", identical, "bit-identical rows".into());
+
+    // Row invariance across stream counts: stream 0 as above, other streams on other slots with other tokens.
+    let mut base: Option<Vec<f32>> = None;
+    let mut identical = true;
+    for s in [1u32, 2, 4] {
+        for slot in 0..s {
+            gpu.set_slot_state(slot, &gpu_snapshot).unwrap();
+        }
+        let other: Vec<u32> = cont[..4].iter().map(|t| (t + 7) % vocab as u32).collect();
+        let mut ss: Vec<(u32, u32, u32, &[u32])> = vec![(0, n as u32, 4, &cont[..4])];
+        for slot in 1..s {
+            ss.push((slot, n as u32, 4 - (slot % 3), &other));
+        }
+        gpu.run(VariantKind::Verify { streams: s, window: 4 }, &desc(&ss, 4)).unwrap();
+        let lg = gpu.io(IoBuf::Logits)[..4 * vocab].to_vec();
+        match &base {
+            None => base = Some(lg),
+            Some(b) => identical &= b.iter().zip(&lg).all(|(a, c)| a.to_bits() == c.to_bits()),
+        }
+    }
+    rep.add(name, "row invariance, streams 1/2/4", identical, "bit-identical stream-0 rows".into());
+
+    // MTP: absorb one entry at a time from the given main streams, then a chained step.
+    let (_, streams) = exp.f32("mtp_streams");
+    let toks = exp.ids("mtp_tokens");
+    let (_, tf_mtp) = exp.f32("mtp_logits");
+    for s in 0..4 {
+        cpu.reset_slot(s);
+        gpu.reset_slot(s);
+    }
+    let (mut worst, mut worst_tf, mut worst_st, mut ok) = (0f32, 0f32, 0f32, true);
+    let form = DrafterForm::Checkpoint;
+    for i in 0..toks.len() {
+        cpu.write_io(IoBuf::MainStreams, 0, &streams[i * hcw..(i + 1) * hcw]);
+        gpu.write_io(IoBuf::MainStreams, 0, &streams[i * hcw..(i + 1) * hcw]);
+        let d = desc(&[(0, i as u32, 1, &[toks[i]])], 1);
+        if let Err(e) = run_both(&mut cpu, &mut gpu, VariantKind::MtpAbsorb { streams: 1, window: 1, form }, &d) {
+            rep.add(name, "mtp-absorb-s1-w1", false, e);
+            ok = false;
+            break;
+        }
+        worst = worst.max(rel(&gpu.io(IoBuf::Logits)[..vocab], &cpu.io(IoBuf::Logits)[..vocab], vocab));
+        worst_tf = worst_tf.max(rel(&gpu.io(IoBuf::Logits)[..vocab], &tf_mtp[i * vocab..(i + 1) * vocab], vocab));
+        worst_st = worst_st.max(rel(&gpu.io(IoBuf::MtpStreams)[..hcw], &cpu.io(IoBuf::MtpStreams)[..hcw], hcw));
+        ok &= gpu.io(IoBuf::Sampled)[0].to_bits() == cpu.io(IoBuf::Sampled)[0].to_bits();
+    }
+    rep.add(
+        name,
+        "mtp-absorb-s1-w1 logits and streams",
+        ok && worst <= TOL && worst_st <= TOL,
+        format!("{} entries, logits {worst:.2e} (vs reference f32: {worst_tf:.2e}), streams {worst_st:.2e}, drafts equal {ok}", toks.len()),
+    );
+    // A 4-entry absorb window and a chain step after it.
+    let m = toks.len().min(4);
+    for s in 0..1 {
+        cpu.reset_slot(s);
+        gpu.reset_slot(s);
+    }
+    cpu.write_io(IoBuf::MainStreams, 0, &streams[..m * hcw]);
+    gpu.write_io(IoBuf::MainStreams, 0, &streams[..m * hcw]);
+    let d = desc(&[(0, 0, m as u32, &toks[..m])], 4);
+    let mut ok = run_both(&mut cpu, &mut gpu, VariantKind::MtpAbsorb { streams: 1, window: 4, form }, &d).is_ok();
+    let r1 = rel(&gpu.io(IoBuf::Logits)[..vocab], &cpu.io(IoBuf::Logits)[..vocab], vocab);
+    ok &= gpu.io(IoBuf::Sampled)[0].to_bits() == cpu.io(IoBuf::Sampled)[0].to_bits();
+    let draft = cpu.io(IoBuf::Sampled)[0].to_bits();
+    let mut dc = desc(&[(0, m as u32, 1, &[draft])], 1);
+    dc.streams[0].committed = m as u32;
+    dc.streams[0].src_row = 0;
+    ok &= run_both(&mut cpu, &mut gpu, VariantKind::MtpChain { streams: 1, form }, &dc).is_ok();
+    let r2 = rel(&gpu.io(IoBuf::Logits)[..vocab], &cpu.io(IoBuf::Logits)[..vocab], vocab);
+    ok &= gpu.io(IoBuf::Sampled)[0].to_bits() == cpu.io(IoBuf::Sampled)[0].to_bits();
+    rep.add(
+        name,
+        "mtp-absorb-s1-w4 + mtp-chain-s1",
+        ok && r1 <= TOL && r2 <= TOL,
+        format!("absorb {r1:.2e}, chain {r2:.2e}, drafts equal {ok}"),
+    );
+    let caps = gpu.captures();
+    let cap_ms: f64 = caps.iter().map(|c| c.ms).sum();
+    let nodes: usize = caps.iter().map(|c| c.nodes).max().unwrap_or(0);
+    println!(
+        "| {name} | graphs | info | {} variants captured lazily in {cap_ms:.0} ms in all (largest {nodes} nodes); fixture total {:.1} s |",
+        caps.len(),
+        t0.elapsed().as_secs_f64()
+    );
+}
+
+#[test]
+fn gpu_matches_cpu_on_the_fixtures() {
+    let Some(name) = gpu_ready() else { return };
+    println!("GPU: {name}; tolerance max|diff| <= {TOL} x max|logit| per row against the CPU backend with the same BF16 weights");
+    println!("| fixture | check | result | detail |\n|---|---|---|---|");
+    let mut rep = Report { rows: Vec::new() };
+    fixture_checks("tiny-text", &fixture("tiny-text"), &fixture("tiny-text").join("expected.safetensors"), &mut rep);
+    fixture_checks("tiny-wrapper", &fixture("tiny-wrapper"), &fixture("tiny-wrapper").join("expected.safetensors"), &mut rep);
+    fixture_checks(
+        "flashnext-tiny",
+        &root().join("models/flashnext-tiny"),
+        &root().join("fixtures/flashnext-tiny-expected.safetensors"),
+        &mut rep,
+    );
+    let failed: Vec<_> = rep.rows.iter().filter(|r| !r.2).collect();
+    assert!(failed.is_empty(), "{} GPU checks failed: {failed:?}", failed.len());
+}
+
+/// The kernel parameter mirrors match the C layout of kernels/params.h: the host C compiler (`cc`; CUDA lays out
+/// structs as the host compiler does) checks `_Static_assert`s generated from the Rust sizes and offsets. Skipped,
+/// with a reason, when no `cc` is installed.
+#[test]
+fn kernel_abi_matches_params_h() {
+    let mut src = String::from("#include <stddef.h>\n#include \"params.h\"\n");
+    for (name, size, fields) in flashplan_runtime::cuda::params::layouts() {
+        src.push_str(&format!("_Static_assert(sizeof({name}) == {size}, \"size of {name}\");\n"));
+        for (f, off) in fields {
+            src.push_str(&format!("_Static_assert(offsetof({name}, {f}) == {off}, \"{name}.{f}\");\n"));
+        }
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("abi_check.c");
+    std::fs::write(&file, src).expect("write");
+    let out = std::process::Command::new("cc")
+        .arg("-fsyntax-only")
+        .arg("-I")
+        .arg(root().join("kernels"))
+        .arg(&file)
+        .output();
+    match out {
+        Err(e) => eprintln!("skipped: no C compiler (cc): {e}"),
+        Ok(o) => assert!(
+            o.status.success(),
+            "kernel ABI mismatch between kernels/params.h and the Rust mirrors:\n{}",
+            String::from_utf8_lossy(&o.stderr)
+        ),
+    }
+}
+
+#[test]
+fn runtime_and_compiler_bundle_the_same_kernels() {
+    assert_eq!(
+        flashplan_runtime::cuda::kernel_source_hash(),
+        flashplan_compiler::nvrtc::source_hash()
+    );
+}

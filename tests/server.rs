@@ -1,0 +1,287 @@
+//! The OpenAI server in-process on an ephemeral port with the bundled tiny model: streamed and non-streamed
+//! replies agree (text and token_sha), `"draft": false` gives the same token_sha, bad requests get a 400 naming
+//! the problem, and the server keeps serving while a long request is in flight.
+
+mod common;
+
+use std::sync::{Arc, OnceLock};
+
+use common::*;
+use flashplan_runtime::engine::{Engine, EngineOptions};
+use flashplan_runtime::server::{client, serve, AppState};
+use flashplan_runtime::service::Service;
+use flashplan_runtime::tokenizer::Tokenizer;
+use serde_json::{json, Value};
+
+/// One server for every test of this file (address `127.0.0.1:PORT`).
+fn server() -> &'static str {
+    static ADDR: OnceLock<String> = OnceLock::new();
+    ADDR.get_or_init(|| {
+        let dir = root().join("models/flashnext-tiny");
+        let body = plan_for(&dir, &[1, 2, 4], 8, 32, 512);
+        let be = backend(&dir, body);
+        let opts = EngineOptions {
+            max_depth: 8,
+            parallel: 4,
+            ..Default::default()
+        };
+        let engine = Engine::new(be, opts, true);
+        let tok = Arc::new(Tokenizer::from_dir(&dir).expect("tokenizer"));
+        let state = AppState {
+            service: Service::start(engine, tok),
+            model_name: "flashnext-tiny".into(),
+        };
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async move {
+                let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+                    .await
+                    .expect("bind");
+                tx.send(l.local_addr().expect("addr").to_string())
+                    .expect("send");
+                serve(l, state, std::future::pending())
+                    .await
+                    .expect("serve");
+            });
+        });
+        rx.recv().expect("server address")
+    })
+}
+
+fn post(path: &str, body: &str) -> client::Response {
+    client::request(server(), "POST", path, Some(body)).expect("request")
+}
+
+/// The streamed text, the final flashplan block and usage of a streamed request.
+fn post_stream(path: &str, body: &Value) -> (String, Value, Value) {
+    let mut text = String::new();
+    let mut fp = Value::Null;
+    let mut usage = Value::Null;
+    let mut done = false;
+    let r = client::stream_sse(server(), path, &body.to_string(), |d| {
+        if d == "[DONE]" {
+            done = true;
+            return;
+        }
+        let v: Value = serde_json::from_str(d).expect("chunk is JSON");
+        let c = &v["choices"][0];
+        if let Some(t) = c["text"].as_str().or(c["delta"]["content"].as_str()) {
+            text.push_str(t);
+        }
+        if !v["flashplan"].is_null() {
+            fp = v["flashplan"].clone();
+        }
+        if !v["usage"].is_null() {
+            usage = v["usage"].clone();
+        }
+    })
+    .expect("stream");
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(done, "no [DONE]");
+    (text, fp, usage)
+}
+
+const PROMPT: &str = "def load_file(path, mode=\"rb\"):\n    with open(path, mode) as handle:\n";
+
+#[test]
+fn completion_streamed_equals_whole_and_draft_false() {
+    let body = json!({"prompt": PROMPT, "max_tokens": 24, "temperature": 0});
+    let r = post("/v1/completions", &body.to_string());
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let text = v["choices"][0]["text"].as_str().expect("text").to_string();
+    let sha = v["flashplan"]["token_sha"]
+        .as_str()
+        .expect("token_sha")
+        .to_string();
+    assert_eq!(sha.len(), 64);
+    assert!(v["usage"]["completion_tokens"].as_u64().unwrap() > 0);
+    assert!(v["flashplan"]["rounds"].as_u64().is_some());
+
+    let mut sb = body.clone();
+    sb["stream"] = json!(true);
+    sb["stream_options"] = json!({"include_usage": true});
+    let (stext, fp, usage) = post_stream("/v1/completions", &sb);
+    assert_eq!(stext, text);
+    assert_eq!(fp["token_sha"].as_str(), Some(sha.as_str()));
+    assert_eq!(usage["completion_tokens"], v["usage"]["completion_tokens"]);
+
+    let mut pb = body.clone();
+    pb["draft"] = json!(false);
+    let p = post("/v1/completions", &pb.to_string()).json();
+    assert_eq!(p["flashplan"]["token_sha"].as_str(), Some(sha.as_str()));
+    assert_eq!(p["flashplan"]["drafted"], 0);
+
+    // Token-id prompts give the same reply as the text they encode.
+    let ids = post("/tokenize", &json!({"prompt": PROMPT}).to_string()).json()["tokens"].clone();
+    let t = post(
+        "/v1/completions",
+        &json!({"prompt": ids, "max_tokens": 24, "temperature": 0}).to_string(),
+    )
+    .json();
+    assert_eq!(t["flashplan"]["token_sha"].as_str(), Some(sha.as_str()));
+}
+
+#[test]
+fn chat_streamed_equals_whole_and_seeded_sampling() {
+    let body = json!({"messages": [{"role": "user", "content": "write a function"}], "max_tokens": 16,
+                      "temperature": 0.8, "seed": 7});
+    let v = post("/v1/chat/completions", &body.to_string()).json();
+    let text = v["choices"][0]["message"]["content"]
+        .as_str()
+        .expect("content")
+        .to_string();
+    let mut sb = body.clone();
+    sb["stream"] = json!(true);
+    let (stext, fp, _) = post_stream("/v1/chat/completions", &sb);
+    assert_eq!(stext, text);
+    assert_eq!(fp["token_sha"], v["flashplan"]["token_sha"]);
+    let mut pb = body.clone();
+    pb["draft"] = json!(false);
+    let p = post("/v1/chat/completions", &pb.to_string()).json();
+    assert_eq!(p["flashplan"]["token_sha"], v["flashplan"]["token_sha"]);
+}
+
+#[test]
+fn stop_string_ends_the_text_before_it() {
+    let body = json!({"prompt": PROMPT, "max_tokens": 24, "temperature": 0});
+    let full = post("/v1/completions", &body.to_string()).json();
+    let text = full["choices"][0]["text"].as_str().unwrap().to_string();
+    // A stop string from the middle of the reply.
+    let cut = text
+        .char_indices()
+        .nth(text.chars().count() / 2)
+        .map(|(i, _)| i)
+        .unwrap_or(0);
+    let stop: String = text[cut..].chars().take(3).collect();
+    if stop.trim().is_empty() {
+        return;
+    }
+    let first = text.find(&stop).unwrap();
+    let mut b = body.clone();
+    b["stop"] = json!([stop]);
+    let v = post("/v1/completions", &b.to_string()).json();
+    assert_eq!(v["choices"][0]["text"].as_str(), Some(&text[..first]));
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    assert!(
+        v["usage"]["completion_tokens"].as_u64() <= full["usage"]["completion_tokens"].as_u64()
+    );
+}
+
+#[test]
+fn bad_requests_get_400_naming_the_problem() {
+    let long: Vec<u32> = vec![5; 600];
+    for (body, param, words) in [
+        (
+            "{\"prompt\": \"a\", ".to_string(),
+            Value::Null,
+            "not valid JSON",
+        ),
+        (
+            json!({"prompt": "a", "temperature": -1}).to_string(),
+            json!("temperature"),
+            "temperature",
+        ),
+        (
+            json!({"prompt": "a", "stop": {"x": 1}}).to_string(),
+            json!("stop"),
+            "stop",
+        ),
+        (
+            json!({"prompt": "a", "max_tokens": "ten"}).to_string(),
+            json!("max_tokens"),
+            "max_tokens",
+        ),
+        (
+            json!({"prompt": long}).to_string(),
+            json!("prompt"),
+            "too long",
+        ),
+        (
+            json!({"prompt": [1, 2, 999999]}).to_string(),
+            json!("prompt"),
+            "outside the vocabulary",
+        ),
+        (
+            json!({"prompt": [1, 2, 3], "max_tokens": 100000}).to_string(),
+            json!("prompt"),
+            "exceeds the context",
+        ),
+    ] {
+        let r = post("/v1/completions", &body);
+        assert_eq!(r.status, 400, "{body}: {}", r.body);
+        let e = &r.json()["error"];
+        assert_eq!(e["type"], "invalid_request_error", "{body}");
+        assert_eq!(e["param"], param, "{body}: {}", r.body);
+        let msg = e["message"].as_str().unwrap_or("");
+        assert!(
+            msg.contains(words),
+            "{body}: message {msg:?} does not say {words:?}"
+        );
+    }
+    let r = post(
+        "/v1/chat/completions",
+        &json!({"messages": "hello"}).to_string(),
+    );
+    assert_eq!(r.status, 400);
+    assert_eq!(r.json()["error"]["param"], "messages");
+}
+
+#[test]
+fn keeps_serving_while_a_long_request_runs() {
+    let addr = server().to_string();
+    let long = std::thread::spawn(move || {
+        let body = json!({"prompt": "import os\n", "max_tokens": 300, "temperature": 0, "ignore_eos": true});
+        client::request(&addr, "POST", "/v1/completions", Some(&body.to_string()))
+            .expect("long request")
+    });
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let t0 = std::time::Instant::now();
+    let r = post(
+        "/v1/completions",
+        &json!({"prompt": "x = 1\n", "max_tokens": 4, "temperature": 0}).to_string(),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let bad = post(
+        "/v1/completions",
+        &json!({"prompt": "a", "top_p": 2}).to_string(),
+    );
+    assert_eq!(bad.status, 400);
+    let short_s = t0.elapsed();
+    assert!(
+        !long.is_finished(),
+        "the long request finished before the short one: the test proves nothing"
+    );
+    let l = long.join().expect("long thread");
+    assert_eq!(l.status, 200, "{}", l.body);
+    assert_eq!(l.json()["usage"]["completion_tokens"], 300);
+    eprintln!("short request served in {short_s:?} beside the long one");
+}
+
+#[test]
+fn models_health_metrics_tokenize() {
+    let m = client::request(server(), "GET", "/v1/models", None).unwrap();
+    assert_eq!(m.json()["data"][0]["id"], "flashnext-tiny");
+    let h = client::request(server(), "GET", "/health", None).unwrap();
+    assert_eq!(h.status, 200);
+    let t = post("/tokenize", &json!({"prompt": "def f(x):"}).to_string()).json();
+    let d = post("/detokenize", &json!({"tokens": t["tokens"]}).to_string()).json();
+    assert_eq!(d["prompt"], "def f(x):");
+    post(
+        "/v1/completions",
+        &json!({"prompt": "x", "max_tokens": 2}).to_string(),
+    );
+    let mt = client::request(server(), "GET", "/metrics", None).unwrap();
+    assert!(mt.body.contains("flashplan_requests_total"), "{}", mt.body);
+    assert!(mt
+        .body
+        .contains("flashplan_accepted_tokens_total{drafter=\"copy\"}"));
+    assert!(mt
+        .body
+        .contains("flashplan_time_to_first_token_seconds_bucket"));
+}
