@@ -269,6 +269,9 @@ pub struct Engine<B: Backend> {
     verify_streams: Vec<u32>,
     /// Per-token callback deciding whether a stream stops (stop strings, disconnects).
     pub on_token: Box<dyn FnMut(StreamId, u32) -> Control + Send>,
+    /// When `Some`, every verified MTP chain is appended as `(stream, position of the round's first row, drafted
+    /// tokens)` (measurements compare drafter forms at equal positions; `None` by default: nothing is recorded).
+    pub mtp_chains: Option<Vec<(StreamId, u32, Vec<u32>)>>,
 }
 
 impl<B: Backend> Engine<B> {
@@ -291,6 +294,7 @@ impl<B: Backend> Engine<B> {
             eos,
             verify_streams,
             on_token: Box::new(|_, _| Control::Continue),
+            mtp_chains: None,
         }
     }
 
@@ -649,6 +653,9 @@ impl<B: Backend> Engine<B> {
                         s.stats.copy_round_tokens += keep as u32;
                     }
                     Drafter::Mtp => {
+                        if let Some(log) = &mut self.mtp_chains {
+                            log.push((s.id, s.pos, s.drafts.clone()));
+                        }
                         s.stats.drafted_mtp += s.drafts.len() as u32;
                         s.stats.accepted_mtp += accepted;
                         s.stats.mtp_rounds += 1;

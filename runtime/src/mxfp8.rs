@@ -258,7 +258,11 @@ pub fn derive_drafter_weights(
     tensors: &mut [Option<Vec<f32>>],
     form: DrafterForm,
 ) {
-    assert_eq!(tensors.len(), body.weights.len(), "one slot per manifest entry");
+    assert_eq!(
+        tensors.len(),
+        body.weights.len(),
+        "one slot per manifest entry"
+    );
     let groups: &[WeightGroup] = match form {
         DrafterForm::Checkpoint => return,
         DrafterForm::Mxfp8 => &[WeightGroup::MtpMxfp8],
@@ -334,7 +338,11 @@ mod tests {
             .collect();
         let n = pos.len();
         pos.dedup();
-        assert_eq!((n, pos.len()), (127, 127), "127 distinct non-negative values");
+        assert_eq!(
+            (n, pos.len()),
+            (127, 127),
+            "127 distinct non-negative values"
+        );
         assert!(pos.windows(2).all(|w| w[0] < w[1]), "codes are monotonic");
     }
 
@@ -367,8 +375,14 @@ mod tests {
                 // Just below and above the midpoint round down and up.
                 let below = f32::from_bits((mid as f32).to_bits() - 1) as f64;
                 let above = f32::from_bits((mid as f32).to_bits() + 1) as f64;
-                assert_eq!(e4m3_decode(e4m3_encode_rne((sign * below) as f32)) as f64, sign * w[0]);
-                assert_eq!(e4m3_decode(e4m3_encode_rne((sign * above) as f32)) as f64, sign * w[1]);
+                assert_eq!(
+                    e4m3_decode(e4m3_encode_rne((sign * below) as f32)) as f64,
+                    sign * w[0]
+                );
+                assert_eq!(
+                    e4m3_decode(e4m3_encode_rne((sign * above) as f32)) as f64,
+                    sign * w[1]
+                );
             }
             // Which way the tie went: to the neighbour whose code is even.
             let up = e4m3_encode_rne(w[1] as f32);
@@ -392,7 +406,11 @@ mod tests {
             let a = (448.0 * pow2(e)) as f32;
             assert_eq!(scale_exponent(a), e, "a = 448 * 2^{e}");
             let above = f32::from_bits(a.to_bits() + 1);
-            assert_eq!(scale_exponent(above), (e + 1).min(127), "just above 448 * 2^{e}");
+            assert_eq!(
+                scale_exponent(above),
+                (e + 1).min(127),
+                "just above 448 * 2^{e}"
+            );
             let below = f32::from_bits(a.to_bits() - 1);
             assert_eq!(scale_exponent(below), e.max(-127), "just below 448 * 2^{e}");
         }
@@ -422,7 +440,11 @@ mod tests {
         let got = dequantize(&m);
         for (i, (&x, &y)) in w.iter().zip(&got).enumerate() {
             let e = m.scales[(i / 40) * 2 + (i % 40) / 32] as i32 - 127;
-            assert_eq!(y as f64, reference_rne(x as f64 * pow2(-e)) * pow2(e), "index {i}");
+            assert_eq!(
+                y as f64,
+                reference_rne(x as f64 * pow2(-e)) * pow2(e),
+                "index {i}"
+            );
         }
         assert_eq!((got[1], got[57], got[77]), (-40.0, 16.0, 36.0));
     }
@@ -433,7 +455,47 @@ mod tests {
         assert_eq!(dequantize_stored(&[0x38], &[0], 1, 1)[0], 2f32.powi(-127));
     }
 
+    /// Independent slow reference of a group's re-coding: the smallest `e` in [-127, 127] with `a <= 448 * 2^e`
+    /// by linear search, then the brute-force RNE E4M3 value of `w / 2^e`, times `2^e`.
+    fn reference_group(w: &[f32]) -> Vec<f64> {
+        let a = w.iter().fold(0f64, |m, x| m.max((*x as f64).abs()));
+        if a == 0.0 {
+            return vec![0.0; w.len()];
+        }
+        let e = (-127..=127)
+            .find(|&e| a <= 448.0 * 2f64.powi(e))
+            .unwrap_or(127);
+        w.iter()
+            .map(|&x| reference_rne(x as f64 / 2f64.powi(e)) * 2f64.powi(e))
+            .collect()
+    }
+
     proptest! {
+        #[test]
+        fn groups_match_reference(
+            mant in proptest::collection::vec(-1.0f32..1.0, 1..70),
+            exp in -140i32..120,
+            outlier in proptest::option::of(0usize..70),
+        ) {
+            let scale = 2f32.powi(exp.clamp(-126, 127));
+            let mut w: Vec<f32> = mant.iter().map(|m| m * scale).collect();
+            if let Some(o) = outlier {
+                let n = w.len();
+                w[o % n] *= 1e6f32.min(f32::MAX / scale.max(1.0) / 2.0);
+            }
+            let cols = w.len();
+            let m = quantize(&w, 1, cols);
+            let got = dequantize(&m);
+            for g in 0..groups_per_row(cols) {
+                let lo = g * GROUP;
+                let hi = (lo + GROUP).min(cols);
+                let want = reference_group(&w[lo..hi]);
+                for (k, (&y, &r)) in got[lo..hi].iter().zip(&want).enumerate() {
+                    prop_assert_eq!(y as f64, r, "group {} index {}", g, k);
+                }
+            }
+        }
+
         #[test]
         fn encode_matches_reference(x in -500.0f32..500.0) {
             let want = reference_rne(x.clamp(-448.0, 448.0) as f64);

@@ -368,7 +368,12 @@ fn wrong_dtype_is_refused() {
 fn fp8_and_mxfp8_are_refused_by_name() {
     let Some(src) = tiny() else { return };
     let body = plan();
-    for (suffix, words) in [("_scale_inv", "FP8 block"), ("_scale", "MXFP8")] {
+    // FP8 block is refused by name; MXFP8 is read, but only where the plan's manifest says MXFP8 (the committed
+    // plan says BF16), so here it is refused as a form mismatch, naming the form.
+    for (suffix, words, why) in [
+        ("_scale_inv", "FP8 block", "does not read yet"),
+        ("_scale", "MXFP8", "the plan's manifest says"),
+    ] {
         let dir = copy_of(&src);
         let name = "model.layers.5.mlp.shared_expert.up_proj.weight";
         edit_shard(dir.path(), name, |ts| {
@@ -388,7 +393,103 @@ fn fp8_and_mxfp8_are_refused_by_name() {
             msg.contains(&format!("tensor {name} is stored as {words}")),
             "{msg}"
         );
-        assert!(msg.contains("does not read yet"), "{msg}");
+        assert!(msg.contains(why), "{msg}");
+    }
+}
+
+/// Stores `name` (a BF16 tensor `[.., K]`) as MXFP8: F8_E4M3 codes plus U8 `<name>_scale` `[.., K/32]`; returns the
+/// values the stored form represents.
+fn store_as_mxfp8(dir: &Path, name: &str) -> Vec<f32> {
+    use flashplan_runtime::mxfp8;
+    let mut values = Vec::new();
+    edit_shard(dir, name, |ts| {
+        let t = ts.iter_mut().find(|t| t.name == name).unwrap();
+        let cols = *t.shape.last().unwrap();
+        let rows = t.shape.iter().product::<usize>() / cols;
+        let w: Vec<f32> = (0..rows).flat_map(|r| bf16_row(t, r, cols)).collect();
+        let m = mxfp8::quantize(&w, rows, cols);
+        values = mxfp8::dequantize(&m);
+        t.dtype = Dtype::F8_E4M3;
+        t.data = m.codes;
+        let mut sshape = t.shape.clone();
+        *sshape.last_mut().unwrap() = cols / 32;
+        ts.push(T {
+            name: format!("{name}_scale"),
+            dtype: Dtype::U8,
+            shape: sshape,
+            data: m.scales,
+        });
+    });
+    values
+}
+
+#[test]
+fn mxfp8_stored_drafter_loads_as_stored() {
+    use flashplan_plan::{DrafterForm, StorageForm};
+    let Some(src) = tiny() else { return };
+    let mut body = plan();
+    let dir = copy_of(&src);
+    let names = [
+        "mtp.layers.0.mlp.shared_expert.up_proj.weight",
+        "mtp.layers.0.mlp.experts.gate_up_proj",
+        "model.layers.3.self_attn.o_proj.weight",
+    ];
+    let mut want = Vec::new();
+    for n in names {
+        want.push(store_as_mxfp8(dir.path(), n));
+        let canonical = n.strip_prefix("model.").unwrap_or(n);
+        let i = body.weight_index(canonical).unwrap();
+        body.weights[i].form = StorageForm::Mxfp8;
+    }
+    let w = load(dir.path(), &body).expect("MXFP8 tensors load");
+    assert!(w.has_mtp);
+    for (n, v) in names.iter().zip(&want) {
+        let canonical = n.strip_prefix("model.").unwrap_or(n);
+        assert!(get(&w, &body, canonical) == v.as_slice(), "{n}");
+    }
+    // Everything else loads as before.
+    let plain = load(&src, &plan()).unwrap();
+    let other = "mtp.layers.0.mlp.shared_expert.down_proj.weight";
+    assert_eq!(get(&w, &body, other), get(&plain, &body, other));
+    // The re-coded drafter takes a stored MXFP8 tensor as stored.
+    let mut tensors = w.tensors.clone();
+    flashplan_runtime::mxfp8::derive_drafter_weights(&body, &mut tensors, DrafterForm::Mxfp8);
+    let i = body.weight_index(&format!("{}#mxfp8", names[0])).unwrap();
+    assert!(tensors[i].as_deref() == Some(want[0].as_slice()));
+}
+
+#[test]
+fn mxfp8_with_bad_scales_is_refused_by_name() {
+    use flashplan_plan::StorageForm;
+    let Some(src) = tiny() else { return };
+    let mut body = plan();
+    let name = "mtp.layers.0.self_attn.o_proj.weight";
+    let i = body.weight_index(name).unwrap();
+    body.weights[i].form = StorageForm::Mxfp8;
+    for (edit, why) in [
+        (0, "scales of shape"),
+        (1, "U16 scales"),
+        (2, "F8_E5M2 codes"),
+    ] {
+        let dir = copy_of(&src);
+        store_as_mxfp8(dir.path(), name);
+        edit_shard(dir.path(), name, |ts| match edit {
+            0 => {
+                let s = ts.iter_mut().find(|t| t.name.ends_with("_scale")).unwrap();
+                s.shape = vec![s.shape[0] / 2, s.shape[1] * 2];
+            }
+            1 => {
+                let s = ts.iter_mut().find(|t| t.name.ends_with("_scale")).unwrap();
+                s.dtype = Dtype::U16;
+                s.shape[1] /= 2;
+            }
+            _ => ts.iter_mut().find(|t| t.name == name).unwrap().dtype = Dtype::F8_E5M2,
+        });
+        let msg = refusal(dir.path(), &body);
+        assert!(
+            msg.contains(&format!("tensor {name} is stored as MXFP8 with")) && msg.contains(why),
+            "{msg}"
+        );
     }
 }
 
