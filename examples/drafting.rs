@@ -15,15 +15,34 @@ use flashplan_runtime::engine::{Engine, EngineOptions, Event, ReplyStats, Reques
 fn engine(copy: bool, mtp: bool) -> anyhow::Result<Engine<CpuBackend>> {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("models/flashnext-tiny");
     let cfg = ModelConfig::from_json_str(&std::fs::read_to_string(dir.join("config.json"))?)?;
-    let opts = CompileOptions { arch: "cpu".into(), max_depth: 15, streams: vec![1], context: 4096, prefill_chunk: 64 };
-    let body = flashplan_compiler::compile(&cfg, &opts, &Default::default(), "none", |_, _| {})?.body;
+    let opts = CompileOptions {
+        arch: "cpu".into(),
+        max_depth: 15,
+        streams: vec![1],
+        context: 4096,
+        prefill_chunk: 64,
+    };
+    let body =
+        flashplan_compiler::compile(&cfg, &opts, &Default::default(), "none", |_, _| {})?.body;
     let w = load_checkpoint(&dir, &body, &LoadOptions::default())?;
     let has_mtp = w.has_mtp;
     let be = CpuBackend::new(Arc::new(body), Arc::new(w.tensors));
-    Ok(Engine::new(be, EngineOptions { copy_drafts: copy, mtp_drafts: mtp, ..Default::default() }, has_mtp))
+    Ok(Engine::new(
+        be,
+        EngineOptions {
+            copy_drafts: copy,
+            mtp_drafts: mtp,
+            ..Default::default()
+        },
+        has_mtp,
+    ))
 }
 
-fn run(e: &mut Engine<CpuBackend>, prompt: &[u32], draft: bool) -> anyhow::Result<(Vec<u32>, ReplyStats, f64)> {
+fn run(
+    e: &mut Engine<CpuBackend>,
+    prompt: &[u32],
+    draft: bool,
+) -> anyhow::Result<(Vec<u32>, ReplyStats, f64)> {
     let req = Request {
         prompt: prompt.to_vec(),
         max_tokens: 64,
@@ -52,11 +71,20 @@ fn main() -> anyhow::Result<()> {
     let files: Vec<String> = std::env::args().skip(1).collect();
     anyhow::ensure!(files.len() >= 10, "give at least 10 held-out Python files");
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("models/flashnext-tiny");
-    let tok = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).map_err(anyhow::Error::msg)?;
-    let sep = tok.encode("\n\n# The same again:\n", false).map_err(anyhow::Error::msg)?.get_ids().to_vec();
+    let tok =
+        tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).map_err(anyhow::Error::msg)?;
+    let sep = tok
+        .encode("\n\n# The same again:\n", false)
+        .map_err(anyhow::Error::msg)?
+        .get_ids()
+        .to_vec();
     let mut texts = Vec::new();
     for f in &files {
-        let ids = tok.encode(std::fs::read_to_string(f)?, false).map_err(anyhow::Error::msg)?.get_ids().to_vec();
+        let ids = tok
+            .encode(std::fs::read_to_string(f)?, false)
+            .map_err(anyhow::Error::msg)?
+            .get_ids()
+            .to_vec();
         texts.push((f.clone(), ids));
     }
     println!("| test | file | tokens | rounds | tokens/round | drafter rounds | kept per drafter round | first draft kept | equal to draft:false | tok/s drafted | tok/s plain |");
@@ -75,9 +103,15 @@ fn main() -> anyhow::Result<()> {
         copy_kept += st.copy_round_tokens;
         println!(
             "| copy | {} | {} | {} | {:.2} | {} | {:.2} | - | {} | {:.1} | {:.1} |",
-            short(f), st.tokens, st.rounds, st.tokens_per_round(), st.copy_rounds,
-            st.copy_round_tokens as f64 / st.copy_rounds.max(1) as f64, plain == drafted,
-            st.tokens as f64 / td, plain.len() as f64 / tp
+            short(f),
+            st.tokens,
+            st.rounds,
+            st.tokens_per_round(),
+            st.copy_rounds,
+            st.copy_round_tokens as f64 / st.copy_rounds.max(1) as f64,
+            plain == drafted,
+            st.tokens as f64 / td,
+            plain.len() as f64 / tp
         );
     }
     let mut mtp_e = engine(false, true)?;
@@ -91,14 +125,23 @@ fn main() -> anyhow::Result<()> {
         mtp_kept += st.mtp_round_tokens;
         println!(
             "| mtp | {} | {} | {} | {:.2} | {} | {:.2} | {:.2} | {} | {:.1} | {:.1} |",
-            short(f), st.tokens, st.rounds, st.tokens_per_round(), st.mtp_rounds,
+            short(f),
+            st.tokens,
+            st.rounds,
+            st.tokens_per_round(),
+            st.mtp_rounds,
             st.mtp_round_tokens as f64 / st.mtp_rounds.max(1) as f64,
-            st.mtp_first_kept as f64 / st.mtp_rounds.max(1) as f64, plain == drafted,
-            st.tokens as f64 / td, plain.len() as f64 / tp
+            st.mtp_first_kept as f64 / st.mtp_rounds.max(1) as f64,
+            plain == drafted,
+            st.tokens as f64 / td,
+            plain.len() as f64 / tp
         );
     }
     println!();
-    println!("copy rounds: {copy_rounds}, tokens kept per copy round: {:.2}", copy_kept as f64 / copy_rounds.max(1) as f64);
+    println!(
+        "copy rounds: {copy_rounds}, tokens kept per copy round: {:.2}",
+        copy_kept as f64 / copy_rounds.max(1) as f64
+    );
     println!(
         "mtp rounds: {mtp_rounds}, tokens kept per mtp round: {:.2}, first draft kept in {:.1}% of MTP rounds",
         mtp_kept as f64 / mtp_rounds.max(1) as f64,
@@ -109,6 +152,15 @@ fn main() -> anyhow::Result<()> {
 
 fn short(f: &str) -> String {
     let p = std::path::Path::new(f);
-    let parent = p.parent().and_then(|x| x.file_name()).map(|x| x.to_string_lossy().into_owned()).unwrap_or_default();
-    format!("{parent}/{}", p.file_name().map(|x| x.to_string_lossy().into_owned()).unwrap_or_default())
+    let parent = p
+        .parent()
+        .and_then(|x| x.file_name())
+        .map(|x| x.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    format!(
+        "{parent}/{}",
+        p.file_name()
+            .map(|x| x.to_string_lossy().into_owned())
+            .unwrap_or_default()
+    )
 }

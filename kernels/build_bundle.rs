@@ -30,7 +30,12 @@ fn bundle_sources(dir: &Path) -> String {
     for f in &files {
         println!("cargo:rerun-if-changed={}", f.display());
         let name = f.file_name().unwrap().to_string_lossy();
-        writeln!(out, "    ({name:?}, include_str!({:?})),", f.display().to_string()).unwrap();
+        writeln!(
+            out,
+            "    ({name:?}, include_str!({:?})),",
+            f.display().to_string()
+        )
+        .unwrap();
     }
     out.push_str("];\n");
     out
@@ -45,7 +50,14 @@ fn params_mirrors(header: &str) -> String {
     let mut fields: Vec<(String, String)> = Vec::new();
     let mut names: Vec<String> = Vec::new();
     for line in header.lines() {
-        let line = line.split("/*").next().unwrap().split("//").next().unwrap().trim();
+        let line = line
+            .split("/*")
+            .next()
+            .unwrap()
+            .split("//")
+            .next()
+            .unwrap()
+            .trim();
         if let Some(rest) = line.strip_prefix("#define ") {
             let mut it = rest.split_whitespace();
             if let (Some(n), Some(v)) = (it.next(), it.next()) {
@@ -99,8 +111,12 @@ fn params_mirrors(header: &str) -> String {
         }
     }
     // Layout table: (struct, size, [(field, offset)]) for the ABI check against the C side.
-    out.push_str("\n/// (struct name, size, [(field, offset)]) of every mirror, for the ABI check.\n");
-    out.push_str("pub fn layouts() -> Vec<(&'static str, usize, Vec<(&'static str, usize)>)> {\n    vec![\n");
+    out.push_str(
+        "\n/// (struct name, size, [(field, offset)]) of every mirror, for the ABI check.\n",
+    );
+    out.push_str(
+        "/// (struct name, size, [(field, offset)]).\npub type Layout = (&'static str, usize, Vec<(&'static str, usize)>);\npub fn layouts() -> Vec<Layout> {\n    vec![\n",
+    );
     let mut cur: Option<String> = None;
     let mut flist: Vec<String> = Vec::new();
     let flush = |out: &mut String, cur: &Option<String>, flist: &Vec<String>| {
@@ -109,7 +125,12 @@ fn params_mirrors(header: &str) -> String {
                 .iter()
                 .map(|f| format!("({f:?}, std::mem::offset_of!({n}, {f}))"))
                 .collect();
-            writeln!(out, "        ({n:?}, std::mem::size_of::<{n}>(), vec![{}]),", fs.join(", ")).unwrap();
+            writeln!(
+                out,
+                "        ({n:?}, std::mem::size_of::<{n}>(), vec![{}]),",
+                fs.join(", ")
+            )
+            .unwrap();
         }
     };
     for line in out.clone().lines() {

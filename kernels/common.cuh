@@ -11,6 +11,9 @@
 #define FULL_MASK 0xffffffffu
 
 typedef unsigned short bf16_t;
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
 
 DEV float bf2f(bf16_t h) { return __uint_as_float(((u32)h) << 16); }
 DEV float bfw(const u64 w, u64 i) { return bf2f(((const bf16_t*)w)[i]); }

@@ -1,4 +1,4 @@
-/* Kernel parameter structs, shared by the CUDA kernels (kernels/*.cu) and the Rust runtime.
+/* Kernel parameter structs, shared by the CUDA kernels (the .cu files of kernels/) and the Rust runtime.
  *
  * The Rust mirrors (`#[repr(C)]`) are generated from this file by kernels/build_bundle.rs (run by the build scripts
  * of the runtime and compiler crates), so this header is the single source of the ABI. It is written in a

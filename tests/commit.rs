@@ -7,7 +7,9 @@
 mod common;
 
 use common::*;
-use flashplan_plan::{IoBuf, PlanBody, RoundDesc, SamplingParams, StateKind, StreamDesc, VariantKind};
+use flashplan_plan::{
+    IoBuf, PlanBody, RoundDesc, SamplingParams, StateKind, StreamDesc, VariantKind,
+};
 use flashplan_runtime::backend::Backend;
 use flashplan_runtime::cpu::CpuBackend;
 
@@ -21,7 +23,14 @@ fn setup(chunk: u32) -> (CpuBackend, Vec<u32>) {
 }
 
 fn sd(pos: u32, rows: u32) -> StreamDesc {
-    StreamDesc { slot: 0, pos, rows, committed: pos, src_row: 0, sampling: SamplingParams::greedy() }
+    StreamDesc {
+        slot: 0,
+        pos,
+        rows,
+        committed: pos,
+        src_row: 0,
+        sampling: SamplingParams::greedy(),
+    }
 }
 
 /// Prefills `prompt` in chunks of the plan's chunk size; returns the first sampled token.
@@ -33,7 +42,14 @@ fn prefill(be: &mut CpuBackend, prompt: &[u32]) -> u32 {
         let rows = (prompt.len() - pos).min(chunk as usize);
         let mut t = prompt[pos..pos + rows].to_vec();
         t.resize(chunk as usize, 0);
-        be.run(VariantKind::Prefill { chunk }, &RoundDesc { streams: vec![sd(pos as u32, rows as u32)], tokens: t }).unwrap();
+        be.run(
+            VariantKind::Prefill { chunk },
+            &RoundDesc {
+                streams: vec![sd(pos as u32, rows as u32)],
+                tokens: t,
+            },
+        )
+        .unwrap();
         pos += rows;
     }
     be.io(IoBuf::Sampled)[0].to_bits()
@@ -43,9 +59,23 @@ fn prefill(be: &mut CpuBackend, prompt: &[u32]) -> u32 {
 fn window(be: &mut CpuBackend, pos: u32, tokens: &[u32]) -> (Vec<u32>, u32, Vec<f32>) {
     let w = tokens.len() as u32;
     let vocab = be.body().config.vocab_size as usize;
-    be.run(VariantKind::Lone { window: w }, &RoundDesc { streams: vec![sd(pos, w)], tokens: tokens.to_vec() }).unwrap();
-    let sampled = be.io(IoBuf::Sampled)[..w as usize].iter().map(|x| x.to_bits()).collect();
-    (sampled, be.io(IoBuf::Keep)[0].to_bits(), be.io(IoBuf::Logits)[..w as usize * vocab].to_vec())
+    be.run(
+        VariantKind::Lone { window: w },
+        &RoundDesc {
+            streams: vec![sd(pos, w)],
+            tokens: tokens.to_vec(),
+        },
+    )
+    .unwrap();
+    let sampled = be.io(IoBuf::Sampled)[..w as usize]
+        .iter()
+        .map(|x| x.to_bits())
+        .collect();
+    (
+        sampled,
+        be.io(IoBuf::Keep)[0].to_bits(),
+        be.io(IoBuf::Logits)[..w as usize * vocab].to_vec(),
+    )
 }
 
 /// The committed part of slot 0's state at `pos` committed positions, piece by piece (bits).
@@ -59,11 +89,19 @@ fn committed(be: &CpuBackend, pos: u32) -> Vec<(String, Vec<u32>)> {
         .filter(|p| !p.name.starts_with("mtp."))
         .map(|p| {
             let len = match p.kind {
-                StateKind::KCache | StateKind::VCache | StateKind::IndexerRawKeys => p.elems() / p.shape[0] * pos as u64,
+                StateKind::KCache | StateKind::VCache | StateKind::IndexerRawKeys => {
+                    p.elems() / p.shape[0] * pos as u64
+                }
                 StateKind::IndexerPooled => p.elems() / p.shape[0] * (pos as u64 / ratio),
                 _ => p.elems(),
             };
-            (p.name.clone(), st[p.offset as usize..(p.offset + len) as usize].iter().map(|x| x.to_bits()).collect())
+            (
+                p.name.clone(),
+                st[p.offset as usize..(p.offset + len) as usize]
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .collect(),
+            )
         })
         .collect()
 }
@@ -79,7 +117,11 @@ struct Plain {
 fn plain(be: &mut CpuBackend, prompt: &[u32], steps: usize) -> Plain {
     let mut tok = prefill(be, prompt);
     let n = prompt.len() as u32;
-    let mut out = Plain { tokens: vec![tok], states: vec![committed(be, n)], logits: vec![] };
+    let mut out = Plain {
+        tokens: vec![tok],
+        states: vec![committed(be, n)],
+        logits: vec![],
+    };
     for i in 0..steps {
         let (s, keep, logits) = window(be, n + i as u32, &[tok]);
         assert_eq!(keep, 1);
@@ -107,11 +149,20 @@ fn rows_are_bit_identical_across_window_widths() {
     for w in [2usize, 5, 16] {
         prefill(&mut be, &prompt);
         let (_, keep, logits) = window(&mut be, n, &p.tokens[..w]);
-        assert_eq!(keep as usize, w, "window {w}: every draft is the greedy token, so all are kept");
+        assert_eq!(
+            keep as usize, w,
+            "window {w}: every draft is the greedy token, so all are kept"
+        );
         for r in 0..w {
-            let row: Vec<u32> = logits[r * vocab..(r + 1) * vocab].iter().map(|x| x.to_bits()).collect();
+            let row: Vec<u32> = logits[r * vocab..(r + 1) * vocab]
+                .iter()
+                .map(|x| x.to_bits())
+                .collect();
             let want: Vec<u32> = p.logits[r].iter().map(|x| x.to_bits()).collect();
-            assert!(row == want, "window {w} row {r}: logits not bit-identical to the one-row run");
+            assert!(
+                row == want,
+                "window {w} row {r}: logits not bit-identical to the one-row run"
+            );
         }
     }
 }
@@ -127,12 +178,34 @@ fn rows_are_bit_identical_across_stream_counts() {
     let w = 4u32;
     let mut tokens = p.tokens[..w as usize].to_vec();
     tokens.resize(2 * w as usize, 0);
-    let desc = RoundDesc { streams: vec![sd(n, w), StreamDesc { rows: 0, ..sd(0, 0) }], tokens };
-    be.run(VariantKind::Verify { streams: 2, window: w }, &desc).unwrap();
+    let desc = RoundDesc {
+        streams: vec![
+            sd(n, w),
+            StreamDesc {
+                rows: 0,
+                ..sd(0, 0)
+            },
+        ],
+        tokens,
+    };
+    be.run(
+        VariantKind::Verify {
+            streams: 2,
+            window: w,
+        },
+        &desc,
+    )
+    .unwrap();
     for r in 0..w as usize {
-        let got: Vec<u32> = be.io(IoBuf::Logits)[r * vocab..(r + 1) * vocab].iter().map(|x| x.to_bits()).collect();
+        let got: Vec<u32> = be.io(IoBuf::Logits)[r * vocab..(r + 1) * vocab]
+            .iter()
+            .map(|x| x.to_bits())
+            .collect();
         let want: Vec<u32> = p.logits[r].iter().map(|x| x.to_bits()).collect();
-        assert!(got == want, "row {r} differs between the lone and the two-stream variant");
+        assert!(
+            got == want,
+            "row {r} differs between the lone and the two-stream variant"
+        );
     }
 }
 
@@ -149,17 +222,29 @@ fn rejection_at_every_draft_position_commits_exactly_keep_rows() {
         let mut tokens = vec![p.tokens[0]];
         for i in 1..=k {
             let good = p.tokens[i];
-            tokens.push(if i <= reject { good } else { (good + 1) % vocab });
+            tokens.push(if i <= reject {
+                good
+            } else {
+                (good + 1) % vocab
+            });
         }
         let (sampled, keep, _) = window(&mut be, n, &tokens);
         assert_eq!(keep as usize, reject + 1, "reject at {reject}");
         assert_eq!(&sampled[..keep as usize], &p.tokens[1..=keep as usize]);
-        assert_same_state(&committed(&be, n + keep), &p.states[keep as usize], &format!("reject at {reject}"));
+        assert_same_state(
+            &committed(&be, n + keep),
+            &p.states[keep as usize],
+            &format!("reject at {reject}"),
+        );
         // A round with no drafts right after: still plain decoding's state.
         let (s2, keep2, _) = window(&mut be, n + keep, &[sampled[keep as usize - 1]]);
         assert_eq!(keep2, 1);
         assert_eq!(s2[0], p.tokens[keep as usize + 1]);
-        assert_same_state(&committed(&be, n + keep + 1), &p.states[keep as usize + 1], &format!("plain round after {reject}"));
+        assert_same_state(
+            &committed(&be, n + keep + 1),
+            &p.states[keep as usize + 1],
+            &format!("plain round after {reject}"),
+        );
     }
 }
 
@@ -176,7 +261,11 @@ fn window_crossing_a_qsa_block_boundary_matches_plain() {
         prefill(&mut be, pr);
         let (_, keep, _) = window(&mut be, n, &p.tokens[..k + 1]);
         assert_eq!(keep as usize, k + 1);
-        assert_same_state(&committed(&be, n + keep), &p.states[keep as usize], &format!("cut {cut}"));
+        assert_same_state(
+            &committed(&be, n + keep),
+            &p.states[keep as usize],
+            &format!("cut {cut}"),
+        );
     }
 }
 
@@ -189,11 +278,15 @@ fn chunked_prefill_matches_one_piece_around_the_chunk_size() {
     for len in [c - 1, c, c + 1, 2 * c + 1] {
         let pr = &prompt[..len];
         let a = prefill(&mut chunked, pr);
-        let la = chunked.io(IoBuf::Logits)[((len - 1) % c) * vocab..((len - 1) % c + 1) * vocab].to_vec();
+        let la = chunked.io(IoBuf::Logits)[((len - 1) % c) * vocab..((len - 1) % c + 1) * vocab]
+            .to_vec();
         let b = prefill(&mut whole, pr);
         let lb = whole.io(IoBuf::Logits)[(len - 1) * vocab..len * vocab].to_vec();
         let (d, m) = row_diff(&la, &lb);
-        assert!(d <= 1e-4 * m, "length {len}: chunked vs one-piece last-row logits differ by {d} (max {m})");
+        assert!(
+            d <= 1e-4 * m,
+            "length {len}: chunked vs one-piece last-row logits differ by {d} (max {m})"
+        );
         assert_eq!(a, b, "length {len}: first greedy token differs");
         // And the same greedy continuation.
         let pa = plain(&mut chunked, pr, 8).tokens;

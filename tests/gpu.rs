@@ -151,14 +151,26 @@ fn fixture_checks(name: &str, dir: &Path, expected: &Path, rep: &mut Report) {
     let mut pos = 0;
     while pos < n {
         let rows = (n - pos).min(CHUNK as usize);
-        let d = desc(&[(0, pos as u32, rows as u32, &prompt[pos..pos + rows])], CHUNK);
-        if let Err(e) = run_both(&mut cpu, &mut gpu, VariantKind::Prefill { chunk: CHUNK }, &d) {
+        let d = desc(
+            &[(0, pos as u32, rows as u32, &prompt[pos..pos + rows])],
+            CHUNK,
+        );
+        if let Err(e) = run_both(
+            &mut cpu,
+            &mut gpu,
+            VariantKind::Prefill { chunk: CHUNK },
+            &d,
+        ) {
             rep.add(name, "prefill", false, e);
             return;
         }
         let g = &gpu.io(IoBuf::Logits)[..rows * vocab];
         worst = worst.max(rel(g, &cpu.io(IoBuf::Logits)[..rows * vocab], vocab));
-        worst_tf = worst_tf.max(rel(g, &tf_prefill[pos * vocab..(pos + rows) * vocab], vocab));
+        worst_tf = worst_tf.max(rel(
+            g,
+            &tf_prefill[pos * vocab..(pos + rows) * vocab],
+            vocab,
+        ));
         ok &= gpu.io(IoBuf::Sampled)[0].to_bits() == cpu.io(IoBuf::Sampled)[0].to_bits();
         pos += rows;
     }
@@ -175,7 +187,10 @@ fn fixture_checks(name: &str, dir: &Path, expected: &Path, rep: &mut Report) {
         let mut pos = 0;
         while pos < n {
             let rows = (n - pos).min(CHUNK as usize);
-            let d = desc(&[(0, pos as u32, rows as u32, &prompt[pos..pos + rows])], CHUNK);
+            let d = desc(
+                &[(0, pos as u32, rows as u32, &prompt[pos..pos + rows])],
+                CHUNK,
+            );
             c.run(VariantKind::Prefill { chunk: CHUNK }, &d).unwrap();
             pos += rows;
         }
@@ -183,7 +198,12 @@ fn fixture_checks(name: &str, dir: &Path, expected: &Path, rep: &mut Report) {
     };
     let gstate = gpu.slot_state(0);
     let sd = rel(&gstate, &state_after_prefill, gstate.len().max(1));
-    rep.add(name, "slot state after prefill", sd <= TOL, format!("max rel diff {sd:.2e}"));
+    rep.add(
+        name,
+        "slot state after prefill",
+        sd <= TOL,
+        format!("max rel diff {sd:.2e}"),
+    );
     let gpu_snapshot = gstate;
     let first = cpu.io(IoBuf::Sampled)[0].to_bits();
 
@@ -194,12 +214,28 @@ fn fixture_checks(name: &str, dir: &Path, expected: &Path, rep: &mut Report) {
     let mut worst = 0f32;
     for t in 0..steps {
         let p = (n + t) as u32;
-        cpu.run(VariantKind::Verify { streams: 1, window: 1 }, &desc(&[(0, p, 1, &[tc])], 1))
-            .unwrap();
-        gpu.run(VariantKind::Verify { streams: 1, window: 1 }, &desc(&[(0, p, 1, &[tg])], 1))
-            .unwrap();
+        cpu.run(
+            VariantKind::Verify {
+                streams: 1,
+                window: 1,
+            },
+            &desc(&[(0, p, 1, &[tc])], 1),
+        )
+        .unwrap();
+        gpu.run(
+            VariantKind::Verify {
+                streams: 1,
+                window: 1,
+            },
+            &desc(&[(0, p, 1, &[tg])], 1),
+        )
+        .unwrap();
         if tc == tg {
-            worst = worst.max(rel(&gpu.io(IoBuf::Logits)[..vocab], &cpu.io(IoBuf::Logits)[..vocab], vocab));
+            worst = worst.max(rel(
+                &gpu.io(IoBuf::Logits)[..vocab],
+                &cpu.io(IoBuf::Logits)[..vocab],
+                vocab,
+            ));
         }
         tc = cpu.io(IoBuf::Sampled)[0].to_bits();
         tg = gpu.io(IoBuf::Sampled)[0].to_bits();
@@ -212,16 +248,31 @@ fn fixture_checks(name: &str, dir: &Path, expected: &Path, rep: &mut Report) {
         name,
         "greedy verify-s1-w1 tokens == CPU",
         ct == gt && worst <= TOL,
-        format!("{} tokens, max rel diff {worst:.2e}; first {agree_tf} equal transformers' f32 greedy", gt.len()),
+        format!(
+            "{} tokens, max rel diff {worst:.2e}; first {agree_tf} equal transformers' f32 greedy",
+            gt.len()
+        ),
     );
 
     // Drafted windows: restore the post-prefill state; verify windows with the CPU's greedy continuation as
     // drafts (all accepted) and with a wrong draft in the middle; also the lone-stream slot.
     let cont = &ct; // cont[0] is the pending token at position n
     for (label, kind) in [
-        ("verify-s1-w4", VariantKind::Verify { streams: 1, window: 4 }),
+        (
+            "verify-s1-w4",
+            VariantKind::Verify {
+                streams: 1,
+                window: 4,
+            },
+        ),
         ("lone-w4", VariantKind::Lone { window: 4 }),
-        ("verify-s1-w16", VariantKind::Verify { streams: 1, window: 16 }),
+        (
+            "verify-s1-w16",
+            VariantKind::Verify {
+                streams: 1,
+                window: 16,
+            },
+        ),
     ] {
         let win = kind.shape().1 as usize;
         for wrong in [false, true] {
@@ -236,14 +287,25 @@ fn fixture_checks(name: &str, dir: &Path, expected: &Path, rep: &mut Report) {
                 rep.add(name, label, false, e);
                 continue;
             }
-            let r = rel(&gpu.io(IoBuf::Logits)[..win * vocab], &cpu.io(IoBuf::Logits)[..win * vocab], vocab);
+            let r = rel(
+                &gpu.io(IoBuf::Logits)[..win * vocab],
+                &cpu.io(IoBuf::Logits)[..win * vocab],
+                vocab,
+            );
             let same_tok = gpu.io(IoBuf::Sampled)[..win] == cpu.io(IoBuf::Sampled)[..win]
                 || gpu.io(IoBuf::Sampled)[..win]
                     .iter()
                     .zip(&cpu.io(IoBuf::Sampled)[..win])
                     .all(|(a, b)| a.to_bits() == b.to_bits());
-            let keep = (gpu.io(IoBuf::Keep)[0].to_bits(), cpu.io(IoBuf::Keep)[0].to_bits());
-            let s = rel(&gpu.slot_state(0), &cpu.slot_state(0), cpu.slot_state(0).len().max(1));
+            let keep = (
+                gpu.io(IoBuf::Keep)[0].to_bits(),
+                cpu.io(IoBuf::Keep)[0].to_bits(),
+            );
+            let s = rel(
+                &gpu.slot_state(0),
+                &cpu.slot_state(0),
+                cpu.slot_state(0).len().max(1),
+            );
             rep.add(
                 name,
                 &format!("{label} drafts {}", if wrong { "with a wrong one" } else { "all right" }),
@@ -259,7 +321,14 @@ fn fixture_checks(name: &str, dir: &Path, expected: &Path, rep: &mut Report) {
     for win in 1..=16usize {
         gpu.set_slot_state(0, &gpu_snapshot).unwrap();
         let d = desc(&[(0, n as u32, win as u32, &cont[..win])], win as u32);
-        gpu.run(VariantKind::Verify { streams: 1, window: win as u32 }, &d).unwrap();
+        gpu.run(
+            VariantKind::Verify {
+                streams: 1,
+                window: win as u32,
+            },
+            &d,
+        )
+        .unwrap();
         let lg = gpu.io(IoBuf::Logits);
         for (j, slot) in rows_ref.iter_mut().enumerate().take(win) {
             let row = lg[j * vocab..(j + 1) * vocab].to_vec();
@@ -269,7 +338,12 @@ fn fixture_checks(name: &str, dir: &Path, expected: &Path, rep: &mut Report) {
             }
         }
     }
-    rep.add(name, "row invariance, windows 1..16", identical, "bit-identical rows".into());
+    rep.add(
+        name,
+        "row invariance, windows 1..16",
+        identical,
+        "bit-identical rows".into(),
+    );
 
     // Row invariance across stream counts: stream 0 as above, other streams on other slots with other tokens.
     let mut base: Option<Vec<f32>> = None;
@@ -283,14 +357,26 @@ fn fixture_checks(name: &str, dir: &Path, expected: &Path, rep: &mut Report) {
         for slot in 1..s {
             ss.push((slot, n as u32, 4 - (slot % 3), &other));
         }
-        gpu.run(VariantKind::Verify { streams: s, window: 4 }, &desc(&ss, 4)).unwrap();
+        gpu.run(
+            VariantKind::Verify {
+                streams: s,
+                window: 4,
+            },
+            &desc(&ss, 4),
+        )
+        .unwrap();
         let lg = gpu.io(IoBuf::Logits)[..4 * vocab].to_vec();
         match &base {
             None => base = Some(lg),
             Some(b) => identical &= b.iter().zip(&lg).all(|(a, c)| a.to_bits() == c.to_bits()),
         }
     }
-    rep.add(name, "row invariance, streams 1/2/4", identical, "bit-identical stream-0 rows".into());
+    rep.add(
+        name,
+        "row invariance, streams 1/2/4",
+        identical,
+        "bit-identical stream-0 rows".into(),
+    );
 
     // MTP: absorb one entry at a time from the given main streams, then a chained step.
     let (_, streams) = exp.f32("mtp_streams");
@@ -306,14 +392,35 @@ fn fixture_checks(name: &str, dir: &Path, expected: &Path, rep: &mut Report) {
         cpu.write_io(IoBuf::MainStreams, 0, &streams[i * hcw..(i + 1) * hcw]);
         gpu.write_io(IoBuf::MainStreams, 0, &streams[i * hcw..(i + 1) * hcw]);
         let d = desc(&[(0, i as u32, 1, &[toks[i]])], 1);
-        if let Err(e) = run_both(&mut cpu, &mut gpu, VariantKind::MtpAbsorb { streams: 1, window: 1, form }, &d) {
+        if let Err(e) = run_both(
+            &mut cpu,
+            &mut gpu,
+            VariantKind::MtpAbsorb {
+                streams: 1,
+                window: 1,
+                form,
+            },
+            &d,
+        ) {
             rep.add(name, "mtp-absorb-s1-w1", false, e);
             ok = false;
             break;
         }
-        worst = worst.max(rel(&gpu.io(IoBuf::Logits)[..vocab], &cpu.io(IoBuf::Logits)[..vocab], vocab));
-        worst_tf = worst_tf.max(rel(&gpu.io(IoBuf::Logits)[..vocab], &tf_mtp[i * vocab..(i + 1) * vocab], vocab));
-        worst_st = worst_st.max(rel(&gpu.io(IoBuf::MtpStreams)[..hcw], &cpu.io(IoBuf::MtpStreams)[..hcw], hcw));
+        worst = worst.max(rel(
+            &gpu.io(IoBuf::Logits)[..vocab],
+            &cpu.io(IoBuf::Logits)[..vocab],
+            vocab,
+        ));
+        worst_tf = worst_tf.max(rel(
+            &gpu.io(IoBuf::Logits)[..vocab],
+            &tf_mtp[i * vocab..(i + 1) * vocab],
+            vocab,
+        ));
+        worst_st = worst_st.max(rel(
+            &gpu.io(IoBuf::MtpStreams)[..hcw],
+            &cpu.io(IoBuf::MtpStreams)[..hcw],
+            hcw,
+        ));
         ok &= gpu.io(IoBuf::Sampled)[0].to_bits() == cpu.io(IoBuf::Sampled)[0].to_bits();
     }
     rep.add(
@@ -331,15 +438,39 @@ fn fixture_checks(name: &str, dir: &Path, expected: &Path, rep: &mut Report) {
     cpu.write_io(IoBuf::MainStreams, 0, &streams[..m * hcw]);
     gpu.write_io(IoBuf::MainStreams, 0, &streams[..m * hcw]);
     let d = desc(&[(0, 0, m as u32, &toks[..m])], 4);
-    let mut ok = run_both(&mut cpu, &mut gpu, VariantKind::MtpAbsorb { streams: 1, window: 4, form }, &d).is_ok();
-    let r1 = rel(&gpu.io(IoBuf::Logits)[..vocab], &cpu.io(IoBuf::Logits)[..vocab], vocab);
+    let mut ok = run_both(
+        &mut cpu,
+        &mut gpu,
+        VariantKind::MtpAbsorb {
+            streams: 1,
+            window: 4,
+            form,
+        },
+        &d,
+    )
+    .is_ok();
+    let r1 = rel(
+        &gpu.io(IoBuf::Logits)[..vocab],
+        &cpu.io(IoBuf::Logits)[..vocab],
+        vocab,
+    );
     ok &= gpu.io(IoBuf::Sampled)[0].to_bits() == cpu.io(IoBuf::Sampled)[0].to_bits();
     let draft = cpu.io(IoBuf::Sampled)[0].to_bits();
     let mut dc = desc(&[(0, m as u32, 1, &[draft])], 1);
     dc.streams[0].committed = m as u32;
     dc.streams[0].src_row = 0;
-    ok &= run_both(&mut cpu, &mut gpu, VariantKind::MtpChain { streams: 1, form }, &dc).is_ok();
-    let r2 = rel(&gpu.io(IoBuf::Logits)[..vocab], &cpu.io(IoBuf::Logits)[..vocab], vocab);
+    ok &= run_both(
+        &mut cpu,
+        &mut gpu,
+        VariantKind::MtpChain { streams: 1, form },
+        &dc,
+    )
+    .is_ok();
+    let r2 = rel(
+        &gpu.io(IoBuf::Logits)[..vocab],
+        &cpu.io(IoBuf::Logits)[..vocab],
+        vocab,
+    );
     ok &= gpu.io(IoBuf::Sampled)[0].to_bits() == cpu.io(IoBuf::Sampled)[0].to_bits();
     rep.add(
         name,
@@ -363,8 +494,18 @@ fn gpu_matches_cpu_on_the_fixtures() {
     println!("GPU: {name}; tolerance max|diff| <= {TOL} x max|logit| per row against the CPU backend with the same BF16 weights");
     println!("| fixture | check | result | detail |\n|---|---|---|---|");
     let mut rep = Report { rows: Vec::new() };
-    fixture_checks("tiny-text", &fixture("tiny-text"), &fixture("tiny-text").join("expected.safetensors"), &mut rep);
-    fixture_checks("tiny-wrapper", &fixture("tiny-wrapper"), &fixture("tiny-wrapper").join("expected.safetensors"), &mut rep);
+    fixture_checks(
+        "tiny-text",
+        &fixture("tiny-text"),
+        &fixture("tiny-text").join("expected.safetensors"),
+        &mut rep,
+    );
+    fixture_checks(
+        "tiny-wrapper",
+        &fixture("tiny-wrapper"),
+        &fixture("tiny-wrapper").join("expected.safetensors"),
+        &mut rep,
+    );
     fixture_checks(
         "flashnext-tiny",
         &root().join("models/flashnext-tiny"),
@@ -372,7 +513,11 @@ fn gpu_matches_cpu_on_the_fixtures() {
         &mut rep,
     );
     let failed: Vec<_> = rep.rows.iter().filter(|r| !r.2).collect();
-    assert!(failed.is_empty(), "{} GPU checks failed: {failed:?}", failed.len());
+    assert!(
+        failed.is_empty(),
+        "{} GPU checks failed: {failed:?}",
+        failed.len()
+    );
 }
 
 /// The kernel parameter mirrors match the C layout of kernels/params.h: the host C compiler (`cc`; CUDA lays out
@@ -382,9 +527,13 @@ fn gpu_matches_cpu_on_the_fixtures() {
 fn kernel_abi_matches_params_h() {
     let mut src = String::from("#include <stddef.h>\n#include \"params.h\"\n");
     for (name, size, fields) in flashplan_runtime::cuda::params::layouts() {
-        src.push_str(&format!("_Static_assert(sizeof({name}) == {size}, \"size of {name}\");\n"));
+        src.push_str(&format!(
+            "_Static_assert(sizeof({name}) == {size}, \"size of {name}\");\n"
+        ));
         for (f, off) in fields {
-            src.push_str(&format!("_Static_assert(offsetof({name}, {f}) == {off}, \"{name}.{f}\");\n"));
+            src.push_str(&format!(
+                "_Static_assert(offsetof({name}, {f}) == {off}, \"{name}.{f}\");\n"
+            ));
         }
     }
     let dir = tempfile::tempdir().expect("tempdir");

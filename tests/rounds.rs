@@ -347,7 +347,10 @@ fn stop_inside_a_long_accepted_run_cuts_there() {
         assert_eq!(stats.tokens as usize, cut);
         assert_eq!(reason, FinishReason::Stop);
         if cut >= 2 {
-            assert!(stats.copy_round_tokens as usize >= cut || stats.rounds <= 1, "the cut fell inside a drafted round");
+            assert!(
+                stats.copy_round_tokens as usize >= cut || stats.rounds <= 1,
+                "the cut fell inside a drafted round"
+            );
         }
     }
 }

@@ -13,12 +13,21 @@ use flashplan_runtime::engine::{Engine, EngineOptions, Event, Request};
 fn engine(parallel: u32) -> Engine<CpuBackend> {
     let dir = root().join("models/flashnext-tiny");
     let body = plan_for(&dir, &[1, 2, 4, 8, 16], 6, 32, 1024);
-    Engine::new(backend(&dir, body), EngineOptions { max_depth: 6, parallel, ..Default::default() }, true)
+    Engine::new(
+        backend(&dir, body),
+        EngineOptions {
+            max_depth: 6,
+            parallel,
+            ..Default::default()
+        },
+        true,
+    )
 }
 
 /// Prompts of different lengths and kinds (some copy-friendly, some fresh), from the demo model's vocabulary.
 fn prompts(n: usize) -> Vec<Vec<u32>> {
-    let tok = tokenizers::Tokenizer::from_file(root().join("models/flashnext-tiny/tokenizer.json")).expect("tokenizer");
+    let tok = tokenizers::Tokenizer::from_file(root().join("models/flashnext-tiny/tokenizer.json"))
+        .expect("tokenizer");
     let texts = [
         "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n",
         "import json\n\n\ndef load(path):\n",
@@ -29,12 +38,25 @@ fn prompts(n: usize) -> Vec<Vec<u32>> {
         "def fib(n):\n    if n < 2:\n        return n\n",
         "try:\n    import numpy as np\nexcept ImportError:\n",
     ];
-    (0..n).map(|i| tok.encode(texts[i % texts.len()], false).expect("encode").get_ids().to_vec()).collect()
+    (0..n)
+        .map(|i| {
+            tok.encode(texts[i % texts.len()], false)
+                .expect("encode")
+                .get_ids()
+                .to_vec()
+        })
+        .collect()
 }
 
 fn request(prompt: &[u32], i: usize, sampled: bool) -> Request {
     let sampling = if sampled {
-        SamplingParams { temperature: 0.9, top_k: 50, top_p: 0.95, min_p: 0.0, seed: 1000 + i as u64 }
+        SamplingParams {
+            temperature: 0.9,
+            top_k: 50,
+            top_p: 0.95,
+            min_p: 0.0,
+            seed: 1000 + i as u64,
+        }
     } else {
         SamplingParams::greedy()
     };
@@ -66,7 +88,9 @@ fn solo_replies(ps: &[Vec<u32>], sampled: bool) -> Vec<Vec<u32>> {
         .enumerate()
         .map(|(i, p)| {
             let id = e.submit(request(p, i, sampled)).expect("submit");
-            replies(e.run_to_completion()).remove(&id).unwrap_or_default()
+            replies(e.run_to_completion())
+                .remove(&id)
+                .unwrap_or_default()
         })
         .collect()
 }
@@ -78,10 +102,16 @@ fn concurrent_equals_solo() {
         let solo = solo_replies(&ps, sampled);
         for n in [2usize, 4, 8, 16] {
             let mut e = engine(n as u32);
-            let ids: Vec<u64> = (0..n).map(|i| e.submit(request(&ps[i], i, sampled)).expect("submit")).collect();
+            let ids: Vec<u64> = (0..n)
+                .map(|i| e.submit(request(&ps[i], i, sampled)).expect("submit"))
+                .collect();
             let got = replies(e.run_to_completion());
             for (i, id) in ids.iter().enumerate() {
-                assert_eq!(got.get(id), Some(&solo[i]), "sampled={sampled}: stream {i} of {n} differs from its solo run");
+                assert_eq!(
+                    got.get(id),
+                    Some(&solo[i]),
+                    "sampled={sampled}: stream {i} of {n} differs from its solo run"
+                );
             }
         }
     }
@@ -109,7 +139,11 @@ fn streams_joining_and_leaving_mid_reply() {
     }
     let got = replies(events);
     for (i, id) in ids.iter().enumerate() {
-        assert_eq!(got.get(id), Some(&solo[i]), "stream {i} differs from its solo run");
+        assert_eq!(
+            got.get(id),
+            Some(&solo[i]),
+            "stream {i} differs from its solo run"
+        );
     }
 }
 

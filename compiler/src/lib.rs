@@ -9,6 +9,7 @@ pub mod inspect;
 pub mod launch;
 pub mod manifest;
 pub mod memory;
+pub mod nvrtc;
 pub mod state;
 
 use flashplan_plan::{
@@ -45,6 +46,9 @@ pub enum CompileError {
     /// Building a graph failed (an internal inconsistency).
     #[error(transparent)]
     Graph(#[from] graph::GraphError),
+    /// Compiling the kernels with NVRTC failed (GPU archs only).
+    #[error(transparent)]
+    Nvrtc(#[from] nvrtc::NvrtcError),
     /// Sealing the plan failed validation.
     #[error(transparent)]
     Format(#[from] FormatError),
@@ -189,6 +193,12 @@ pub fn compile(
         progress(i + 1, kinds.len());
     }
     let arena_elems = variants.iter().map(|v| v.arena_elems).max().unwrap_or(0);
+    // GPU archs carry their cubins, and the header names the kernel sources they were built from.
+    let (kernels, kernel_source_hash) = if options.arch == "cpu" {
+        (Vec::new(), kernel_source_hash.to_string())
+    } else {
+        (nvrtc::compile_kernels(&options.arch)?, nvrtc::source_hash())
+    };
     let body = PlanBody {
         config: cfg.clone(),
         options,
@@ -199,8 +209,8 @@ pub fn compile(
             max_streams,
         },
         arena_elems,
-        kernels: Vec::new(),
+        kernels,
         variants,
     };
-    Ok(PlanSet::seal(body, kernel_source_hash, COMPILER_VERSION)?)
+    Ok(PlanSet::seal(body, &kernel_source_hash, COMPILER_VERSION)?)
 }

@@ -6,6 +6,7 @@ pub mod backend;
 pub mod checkpoint;
 pub mod copy_index;
 pub mod cpu;
+pub mod cuda;
 pub mod engine;
 pub mod mxfp8;
 pub mod sampler;

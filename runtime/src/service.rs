@@ -431,13 +431,7 @@ impl Service {
     }
 }
 
-fn on_token(
-    streams: &Streams,
-    tok: &Tokenizer,
-    m: &Metrics,
-    id: u64,
-    t: u32,
-) -> Control {
+fn on_token(streams: &Streams, tok: &Tokenizer, m: &Metrics, id: u64, t: u32) -> Control {
     let mut map = streams.lock().unwrap_or_else(|e| e.into_inner());
     let Some(s) = map.get_mut(&id) else {
         return Control::Stop;

@@ -449,7 +449,11 @@ mod tests {
             assert_eq!(t.encode(text, false).unwrap(), want, "text {text:?}");
         }
         for (name, id) in exp["special_tokens"].as_object().unwrap() {
-            assert_eq!(t.token_id(name), Some(id.as_u64().unwrap() as u32), "{name}");
+            assert_eq!(
+                t.token_id(name),
+                Some(id.as_u64().unwrap() as u32),
+                "{name}"
+            );
         }
         assert_eq!(t.eos_token.as_deref(), Some("<|endoftext|>"));
     }
@@ -466,7 +470,10 @@ mod tests {
                 true,
             )
             .unwrap();
-        assert_eq!(out, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
+        assert_eq!(
+            out,
+            "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+        );
     }
 
     #[test]

@@ -1119,11 +1119,8 @@ impl CpuBackend {
                         }
                         for &(s, j, r) in &real {
                             let row = &lg[r * vocab..(r + 1) * vocab];
-                            let t = sampler::sample(
-                                row,
-                                &desc.streams[s].sampling,
-                                pos_of(s, j) + 1,
-                            );
+                            let t =
+                                sampler::sample(row, &desc.streams[s].sampling, pos_of(s, j) + 1);
                             res[r] = (r, t, sampler::token_prob(row, t));
                         }
                     }

@@ -50,7 +50,7 @@ impl GenParams {
     pub fn resolved_sampling(&self, prompt: &[u32]) -> flashplan_plan::SamplingParams {
         let mut s = self.sampling;
         s.seed = self.seed.unwrap_or_else(|| prompt_seed(prompt));
-        s.into()
+        s
     }
 }
 

@@ -51,7 +51,12 @@ pub fn host_port(url: &str) -> Result<String, ClientError> {
     Ok(hp.to_string())
 }
 
-fn send(addr: &str, method: &str, path: &str, body: Option<&str>) -> Result<TcpStream, ClientError> {
+fn send(
+    addr: &str,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+) -> Result<TcpStream, ClientError> {
     let mut s = TcpStream::connect(addr)?;
     s.set_read_timeout(Some(Duration::from_secs(600)))?;
     let body = body.unwrap_or("");
@@ -89,7 +94,10 @@ impl<R: BufRead> Read for Body<R> {
             }
             let size = usize::from_str_radix(line.trim().split(';').next().unwrap_or(""), 16)
                 .map_err(|_| {
-                    std::io::Error::new(std::io::ErrorKind::InvalidData, format!("chunk size {line:?}"))
+                    std::io::Error::new(
+                        std::io::ErrorKind::InvalidData,
+                        format!("chunk size {line:?}"),
+                    )
                 })?;
             if size == 0 {
                 self.done = true;
@@ -107,7 +115,10 @@ impl<R: BufRead> Read for Body<R> {
     }
 }
 
-fn head(s: TcpStream) -> Result<(u16, Vec<(String, String)>, Body<BufReader<TcpStream>>), ClientError> {
+/// The status, headers and body reader of a response.
+type Head = (u16, Vec<(String, String)>, Body<BufReader<TcpStream>>);
+
+fn head(s: TcpStream) -> Result<Head, ClientError> {
     let mut r = BufReader::new(s);
     let mut line = String::new();
     r.read_line(&mut line)?;
@@ -147,7 +158,12 @@ fn head(s: TcpStream) -> Result<(u16, Vec<(String, String)>, Body<BufReader<TcpS
 ///
 /// # Errors
 /// [`ClientError`].
-pub fn request(addr: &str, method: &str, path: &str, body: Option<&str>) -> Result<Response, ClientError> {
+pub fn request(
+    addr: &str,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+) -> Result<Response, ClientError> {
     let s = send(addr, method, path, body)?;
     let (status, headers, mut b) = head(s)?;
     let mut bytes = Vec::new();

@@ -461,7 +461,10 @@ async fn detokenize(State(state): State<AppState>, body: Bytes) -> Response {
             Some(v) => {
                 return Err(ApiError::invalid(
                     Some("tokens"),
-                    format!("`tokens` must be an array of token ids, got {}", api::type_name(v)),
+                    format!(
+                        "`tokens` must be an array of token ids, got {}",
+                        api::type_name(v)
+                    ),
                 ))
             }
             None => return Err(ApiError::invalid(Some("tokens"), "`tokens` is required")),

@@ -1,0 +1,193 @@
+//! Loading a model for `run`, `serve`, `bench` and `demo`: plans (given, or compiled on first use into the cache),
+//! the checkpoint, the tokenizer, the backend and the engine.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::Context;
+use flashplan_compiler::inspect::PLAN_FILE;
+use flashplan_plan::{CompileOptions, ModelConfig, PlanBody, PlanSet};
+use flashplan_runtime::checkpoint::{load_checkpoint, LoadOptions};
+use flashplan_runtime::cpu::CpuBackend;
+use flashplan_runtime::engine::{Engine, EngineOptions};
+use flashplan_runtime::tokenizer::Tokenizer;
+use sha2::{Digest, Sha256};
+
+/// Options shared by the commands that load a model.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ModelArgs {
+    /// Model directory: config.json, safetensors, tokenizer.json, tokenizer_config.json.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Plans (a plans.fplan file or a directory holding one). Default: compiled on first use into the cache
+    /// ($FLASHPLAN_CACHE, else ~/.cache/flashplan/plans).
+    #[arg(long)]
+    pub plans: Option<PathBuf>,
+    /// Most streams decoding at once.
+    #[arg(long, default_value_t = 16)]
+    pub parallel: u32,
+    /// Most drafts per verify window (at most the plans' max depth).
+    #[arg(long, default_value_t = 15)]
+    pub max_depth: u32,
+    /// Context per stream when compiling plans into the cache.
+    #[arg(long, default_value_t = 32768)]
+    pub context: u64,
+}
+
+/// A model ready to serve.
+pub struct Loaded {
+    /// The engine over its backend.
+    pub engine: Engine<CpuBackend>,
+    /// The tokenizer.
+    pub tokenizer: Arc<Tokenizer>,
+    /// The model's name (its directory's name).
+    pub name: String,
+}
+
+/// The plans cache directory: `$FLASHPLAN_CACHE`, else `~/.cache/flashplan/plans`.
+pub fn cache_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("FLASHPLAN_CACHE") {
+        return PathBuf::from(d);
+    }
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(std::env::temp_dir);
+    home.join(".cache/flashplan/plans")
+}
+
+/// The arch the plans are compiled for: the backend's.
+pub fn backend_arch() -> &'static str {
+    flashplan_compiler::default_arch()
+}
+
+/// Plans for `model`: `plans` when given, else the cache entry keyed by config, arch, options and compiler
+/// version, compiled (with a progress bar) when missing.
+pub fn plans_for(
+    model: &Path,
+    plans: Option<&Path>,
+    opts: &CompileOptions,
+) -> anyhow::Result<PlanSet> {
+    let cfg_path = model.join("config.json");
+    let text = std::fs::read_to_string(&cfg_path)
+        .with_context(|| format!("reading {}", cfg_path.display()))?;
+    let cfg = ModelConfig::from_json_str(&text)
+        .with_context(|| format!("config {}", cfg_path.display()))?;
+    if let Some(p) = plans {
+        let file = flashplan_compiler::inspect::plan_file(p)?;
+        let set = PlanSet::read(&file).with_context(|| format!("reading {}", file.display()))?;
+        set.check_matches(&cfg, &opts.arch, None)
+            .with_context(|| format!("{} does not fit {}", file.display(), model.display()))?;
+        return Ok(set);
+    }
+    let forms = flashplan_compiler::checkpoint::forms_from_model_dir(model)
+        .with_context(|| format!("reading the safetensors headers of {}", model.display()))?;
+    let mut h = Sha256::new();
+    h.update(text.as_bytes());
+    h.update(format!("{forms:?}").as_bytes());
+    h.update(format!("{opts:?}").as_bytes());
+    h.update(flashplan_compiler::COMPILER_VERSION.as_bytes());
+    h.update(flashplan_plan::FORMAT_VERSION.to_string().as_bytes());
+    let key: String = h
+        .finalize()
+        .iter()
+        .take(8)
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let file = cache_dir().join(key).join(PLAN_FILE);
+    if file.exists() {
+        if let Ok(set) = PlanSet::read(&file) {
+            return Ok(set);
+        }
+        eprintln!("{}: unreadable, compiling again", file.display());
+    }
+    eprintln!(
+        "compiling plans for {} into {}",
+        model.display(),
+        file.display()
+    );
+    let bar = indicatif::ProgressBar::new(0);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "compiling {bar:40} {pos}/{len} variants {elapsed_precise}",
+        )
+        .context("progress bar template")?,
+    );
+    let set = flashplan_compiler::compile(&cfg, opts, &forms, "none", |done, total| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+    })
+    .with_context(|| format!("compiling plans for {}", model.display()))?;
+    bar.finish_and_clear();
+    if let Some(dir) = file.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    set.write_atomic(&file)
+        .with_context(|| format!("writing {}", file.display()))?;
+    Ok(set)
+}
+
+/// The backend for a plan: the one place where the CUDA backend will plug in (chosen by the plan's arch and the
+/// devices present). Today every build runs the CPU reference backend.
+pub fn make_backend(
+    model: &Path,
+    body: PlanBody,
+    form: flashplan_plan::DrafterForm,
+) -> anyhow::Result<(CpuBackend, bool)> {
+    eprintln!("no GPU backend in this build: running on the CPU backend");
+    let mut w = load_checkpoint(
+        model,
+        &body,
+        &LoadOptions {
+            progress: true,
+            ..Default::default()
+        },
+    )
+    .with_context(|| format!("loading the checkpoint {}", model.display()))?;
+    let has_mtp = w.has_mtp;
+    // FLASHPLAN_MTP_WEIGHTS=mxfp8|mxfp8-head: re-code the drafter (and its head) once, at load.
+    flashplan_runtime::mxfp8::derive_drafter_weights(&body, &mut w.tensors, form);
+    Ok((
+        CpuBackend::new(Arc::new(body), Arc::new(w.tensors)),
+        has_mtp,
+    ))
+}
+
+/// Engine options from the command line and the environment (`FLASHPLAN_COPY_DRAFTS`, `FLASHPLAN_MTP_WEIGHTS`;
+/// an unknown value refuses to start, naming the variable).
+pub fn engine_options(parallel: u32, max_depth: u32) -> anyhow::Result<EngineOptions> {
+    Ok(EngineOptions {
+        parallel,
+        max_depth,
+        ..Default::default()
+    }
+    .from_env()?)
+}
+
+/// Checks the environment before anything slow happens.
+pub fn check_env() -> anyhow::Result<()> {
+    engine_options(1, 1).map(|_| ())
+}
+
+/// Loads plans, checkpoint and tokenizer, and builds the engine.
+pub fn load(a: &ModelArgs) -> anyhow::Result<Loaded> {
+    let eopts = engine_options(a.parallel, a.max_depth)?;
+    let mut copts = flashplan_compiler::default_options(backend_arch());
+    copts.context = a.context;
+    copts.max_depth = a.max_depth.max(1);
+    let set = plans_for(&a.model, a.plans.as_deref(), &copts)?;
+    let tokenizer = Tokenizer::from_dir(&a.model)
+        .with_context(|| format!("loading the tokenizer of {}", a.model.display()))?;
+    let (backend, has_mtp) = make_backend(&a.model, set.body, eopts.drafter_form)?;
+    let name = a
+        .model
+        .canonicalize()
+        .unwrap_or_else(|_| a.model.clone())
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "model".into());
+    Ok(Loaded {
+        engine: Engine::new(backend, eopts, has_mtp),
+        tokenizer: Arc::new(tokenizer),
+        name,
+    })
+}

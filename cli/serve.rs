@@ -1,0 +1,53 @@
+//! `flashplan serve`: the OpenAI-compatible server.
+
+use std::net::{IpAddr, SocketAddr};
+
+use anyhow::Context;
+use flashplan_runtime::server::{serve_addr, AppState};
+use flashplan_runtime::service::Service;
+
+use crate::model::{load, ModelArgs};
+
+/// Arguments of `flashplan serve`.
+#[derive(Debug, clap::Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Address to bind (127.0.0.1: this machine only; 0.0.0.0: every interface).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: IpAddr,
+    /// Port.
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Model name answered by /v1/models (default: the model directory's name).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+}
+
+/// Loads the model and starts the engine thread.
+pub fn start(a: &ModelArgs, name: Option<String>) -> anyhow::Result<AppState> {
+    let m = load(a)?;
+    let service = Service::start(m.engine, m.tokenizer);
+    Ok(AppState {
+        service,
+        model_name: name.unwrap_or(m.name),
+    })
+}
+
+/// `flashplan serve`.
+pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
+    let state = start(&a.model, a.served_model_name.clone())?;
+    let addr = SocketAddr::new(a.host, a.port);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")?;
+    eprintln!(
+        "serving {} on http://{addr} (context {}, {} streams at once); Ctrl-C stops",
+        state.model_name, state.service.info.context, state.service.info.parallel
+    );
+    rt.block_on(serve_addr(addr, state.clone()))
+        .with_context(|| format!("serving on {addr}"))?;
+    state.service.shutdown();
+    Ok(())
+}

@@ -1,0 +1,756 @@
+//! Kernel parameters and launch shapes of every op, from a variant's node and the device addresses of the
+//! backend's allocations. The parameter structs are the generated mirrors of `kernels/params.h`.
+
+use flashplan_plan::{
+    BufId, GateAct, KeepSrc, Op, PlanBody, SampleRows, Space, StateId, Variant, WeightId,
+};
+
+use super::params::*;
+use crate::backend::BackendError;
+use crate::cpu::kernels::Rope;
+
+/// Device addresses a node's parameters are bound to.
+pub(crate) struct Addrs<'a> {
+    pub body: &'a PlanBody,
+    pub arena: u64,
+    pub io: &'a dyn Fn(flashplan_plan::IoBuf) -> u64,
+    pub weights: &'a [u64],
+    pub common: FpCommon,
+    pub rope: u64,
+    pub rope_cfg: &'a Rope,
+}
+
+/// One launch: kernel name, parameter bytes, grid, block.
+pub(crate) struct LaunchSpec {
+    pub kernel: &'static str,
+    pub params: Vec<u8>,
+    pub grid: (u32, u32, u32),
+    pub block: (u32, u32, u32),
+}
+
+fn bytes<T: Copy>(p: &T) -> Vec<u8> {
+    // SAFETY: the mirrors are plain-old-data `#[repr(C)]` structs without padding holes that matter.
+    unsafe {
+        std::slice::from_raw_parts(p as *const T as *const u8, std::mem::size_of::<T>()).to_vec()
+    }
+}
+
+impl Addrs<'_> {
+    fn buf(&self, v: &Variant, id: BufId) -> u64 {
+        let d = v.buf(id);
+        let base = match d.space {
+            Space::Arena => self.arena,
+            Space::Io(io) => (self.io)(io),
+        };
+        base + d.offset * 4
+    }
+    fn w(&self, id: WeightId) -> Result<u64, BackendError> {
+        match self.weights.get(id.0 as usize) {
+            Some(&p) if p != 0 => Ok(p),
+            _ => Err(BackendError::MissingWeight(
+                self.body.weights[id.0 as usize].name.clone(),
+            )),
+        }
+    }
+    fn st(&self, id: StateId) -> u64 {
+        self.body.state.pieces[id.0 as usize].offset
+    }
+    fn st_elems(&self, id: StateId) -> u64 {
+        self.body.state.pieces[id.0 as usize].elems()
+    }
+    fn keep(&self, v: &Variant, k: &KeepSrc) -> u64 {
+        match k {
+            KeepSrc::AllRows => 0,
+            KeepSrc::Counted(b) => self.buf(v, *b),
+        }
+    }
+}
+
+/// Scratch elements (f32) a node needs for `rows` rows.
+pub(crate) fn scratch_elems(body: &PlanBody, op: &Op, rows: u64) -> u64 {
+    match op {
+        Op::IndexerSelect { ratio, .. } => rows * (body.state.context / *ratio as u64 + 1),
+        Op::SparseAttn {
+            heads, ratio, topk, ..
+        } => rows * *heads as u64 * ((*topk as u64 + 1) * *ratio as u64),
+        Op::Experts { topk, inter, .. } => rows * *topk as u64 * *inter as u64,
+        Op::SharedExpert { inter, .. } => rows * *inter as u64,
+        _ => 0,
+    }
+}
+
+/// Parameters and launch shape of one node.
+pub(crate) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, BackendError> {
+    let (streams, window) = v.kind.shape();
+    let rows = streams * window;
+    let c = a.common;
+    let one = |kernel, params, grid: u32, block: u32| LaunchSpec {
+        kernel,
+        params,
+        grid: (grid.max(1), 1, 1),
+        block: (block, 1, 1),
+    };
+    let half = a.rope_cfg.inv_freq.len() as u32;
+    let af = a.rope_cfg.attention_factor;
+    Ok(match op {
+        Op::EmbedStreams {
+            table,
+            out,
+            dim,
+            copies,
+            ..
+        } => {
+            let p = FpEmbed {
+                c,
+                table: a.w(*table)?,
+                out: a.buf(v, *out),
+                dim: *dim,
+                copies: *copies,
+            };
+            one("embed_streams", bytes(&p), rows, 256)
+        }
+        Op::Embed {
+            table, out, dim, ..
+        } => {
+            let p = FpEmbed {
+                c,
+                table: a.w(*table)?,
+                out: a.buf(v, *out),
+                dim: *dim,
+                copies: 1,
+            };
+            one("embed", bytes(&p), rows, 256)
+        }
+        Op::GatherRows { src, out, width } => {
+            // The source is read as a whole io buffer (the previous variant's output).
+            let d = v.buf(*src);
+            let src = match d.space {
+                Space::Io(io) => (a.io)(io),
+                Space::Arena => a.buf(v, *src),
+            };
+            let p = FpGatherRows {
+                c,
+                src,
+                out: a.buf(v, *out),
+                width: *width,
+                pad: 0,
+            };
+            one("gather_rows", bytes(&p), rows, 256)
+        }
+        Op::LastRows { x, out, width } => {
+            let p = FpLastRows {
+                c,
+                x: a.buf(v, *x),
+                out: a.buf(v, *out),
+                width: *width,
+                pad: 0,
+            };
+            one("last_rows", bytes(&p), streams, 256)
+        }
+        Op::RmsNorm {
+            x,
+            w,
+            out,
+            dim,
+            group,
+            eps,
+        } => {
+            let p = FpRmsNorm {
+                c,
+                x: a.buf(v, *x),
+                w: match w {
+                    Some(w) => a.w(*w)?,
+                    None => 0,
+                },
+                out: a.buf(v, *out),
+                dim: *dim,
+                group: *group,
+                eps: *eps,
+                pad: 0,
+            };
+            one("rms_norm", bytes(&p), rows, 256)
+        }
+        Op::Linear {
+            x,
+            w,
+            out,
+            k,
+            n,
+            sub,
+            accumulate,
+        } => {
+            let gathered = v.buf(*x).elems < rows as u64 * *sub as u64 * *k as u64;
+            let p = FpLinear {
+                c,
+                x: a.buf(v, *x),
+                w: a.w(*w)?,
+                out: a.buf(v, *out),
+                k: *k,
+                n: *n,
+                sub: *sub,
+                accumulate: *accumulate as u32,
+                gathered: gathered as u32,
+                pad: 0,
+            };
+            one("linear", bytes(&p), n.div_ceil(8), 256)
+        }
+        Op::AddBroadcast {
+            a: x,
+            b,
+            out,
+            width,
+            b_width,
+        } => {
+            let p = FpAddBroadcast {
+                c,
+                a: a.buf(v, *x),
+                b: a.buf(v, *b),
+                out: a.buf(v, *out),
+                width: *width,
+                b_width: *b_width,
+            };
+            one("add_broadcast", bytes(&p), rows, 256)
+        }
+        Op::HcRead {
+            h,
+            norm,
+            down,
+            up,
+            inject,
+            out,
+            dim,
+            hc,
+            rank,
+            eps,
+        } => {
+            if *hc > 16 || *rank > 1024 {
+                return Err(BackendError::Device(format!(
+                    "hc_read: hc {hc} > 16 or rank {rank} > 1024 is not supported"
+                )));
+            }
+            let gathered = v.buf(*h).elems < rows as u64 * (*dim as u64 * *hc as u64);
+            let (inject, inj) = match inject {
+                Some((w, b)) => (a.w(*w)?, a.buf(v, *b)),
+                None => (0, 0),
+            };
+            let p = FpHcRead {
+                c,
+                h: a.buf(v, *h),
+                norm: a.w(*norm)?,
+                down: a.w(*down)?,
+                up: a.w(*up)?,
+                inject,
+                inj,
+                out: a.buf(v, *out),
+                dim: *dim,
+                hc: *hc,
+                rank: *rank,
+                gathered: gathered as u32,
+                eps: *eps,
+                pad: 0,
+            };
+            one(
+                "hc_read",
+                bytes(&p),
+                if gathered { streams } else { rows },
+                256,
+            )
+        }
+        Op::HcWrite { h, y, inj, dim, hc } => {
+            let p = FpHcWrite {
+                c,
+                h: a.buf(v, *h),
+                y: a.buf(v, *y),
+                inj: a.buf(v, *inj),
+                dim: *dim,
+                hc: *hc,
+            };
+            one("hc_write", bytes(&p), rows, 256)
+        }
+        Op::PleEmbed {
+            history,
+            table,
+            out,
+            ple_index,
+            heads,
+            head_dim,
+            ..
+        } => {
+            let cfg = &a.body.config;
+            let mult = flashplan_plan::ple::layer_multipliers(cfg, *ple_index);
+            let (sizes, offsets) = flashplan_plan::ple::head_sizes(cfg, *ple_index);
+            if mult.len() > FP_MAX_NGRAM || sizes.len() > FP_MAX_PLE_HEADS {
+                return Err(BackendError::Device(
+                    "ple_embed: n-gram size or head count above the kernel's limits".into(),
+                ));
+            }
+            let mut p = FpPleEmbed {
+                c,
+                table: a.w(*table)?,
+                out: a.buf(v, *out),
+                history: a.st(*history),
+                mult: [0; FP_MAX_NGRAM],
+                sizes: [1; FP_MAX_PLE_HEADS],
+                offsets: [0; FP_MAX_PLE_HEADS],
+                heads: *heads,
+                head_dim: *head_dim,
+                ngram: cfg.ngram_size,
+                heads_per_ngram: cfg.heads_per_ngram,
+                eos: cfg.eos(),
+                pad: 0,
+            };
+            p.mult[..mult.len()].copy_from_slice(&mult);
+            p.sizes[..sizes.len()].copy_from_slice(&sizes);
+            p.offsets[..offsets.len()].copy_from_slice(&offsets);
+            one("ple_embed", bytes(&p), rows, 128)
+        }
+        Op::PleMix {
+            h,
+            key,
+            value,
+            norm_key,
+            norm_query,
+            norm_conv,
+            conv_w,
+            tail,
+            stash,
+            dim,
+            hc,
+            kernel,
+            dilation,
+            eps,
+        } => {
+            if window > 256 || *hc > 16 {
+                return Err(BackendError::Device(
+                    "ple_mix: window > 256 or hc > 16 is not supported".into(),
+                ));
+            }
+            let p = FpPleMix {
+                c,
+                h: a.buf(v, *h),
+                key: a.buf(v, *key),
+                value: a.buf(v, *value),
+                norm_key: a.w(*norm_key)?,
+                norm_query: a.w(*norm_query)?,
+                norm_conv: a.w(*norm_conv)?,
+                conv_w: a.w(*conv_w)?,
+                stash: a.buf(v, *stash),
+                tail: a.st(*tail),
+                dim: *dim,
+                hc: *hc,
+                kernel: *kernel,
+                dilation: *dilation,
+                eps: *eps,
+                pad: 0,
+            };
+            one("ple_mix", bytes(&p), streams, 1024)
+        }
+        Op::PleCommit {
+            history,
+            tail,
+            stash,
+            keep,
+            width,
+            ..
+        } => {
+            let p = FpPleCommit {
+                c,
+                stash: a.buf(v, *stash),
+                keep: a.keep(v, keep),
+                history: a.st(*history),
+                tail: a.st(*tail),
+                width: *width,
+                hist_len: a.st_elems(*history) as u32,
+                tail_len: (a.st_elems(*tail) / *width as u64) as u32,
+                pad: 0,
+            };
+            one("ple_commit", bytes(&p), streams, 256)
+        }
+        Op::GdnConv {
+            x,
+            w,
+            state,
+            out,
+            channels,
+            kernel,
+        } => {
+            let p = FpGdnConv {
+                c,
+                x: a.buf(v, *x),
+                w: a.w(*w)?,
+                out: a.buf(v, *out),
+                state: a.st(*state),
+                channels: *channels,
+                kernel: *kernel,
+            };
+            one("gdn_conv", bytes(&p), channels.div_ceil(128), 128)
+        }
+        Op::GdnRecur {
+            qkv,
+            b,
+            a: av,
+            a_log,
+            dt_bias,
+            state,
+            out,
+            stash,
+            hk,
+            hv,
+            dk,
+            dv,
+        } => {
+            if *dk > 128 || *dv > 1024 {
+                return Err(BackendError::Device(format!(
+                    "gdn_recur: dk {dk} > 128 or dv {dv} > 1024 is not supported"
+                )));
+            }
+            let p = FpGdnRecur {
+                c,
+                qkv: a.buf(v, *qkv),
+                b: a.buf(v, *b),
+                a: a.buf(v, *av),
+                a_log: a.w(*a_log)?,
+                dt_bias: a.w(*dt_bias)?,
+                out: a.buf(v, *out),
+                stash: a.buf(v, *stash),
+                state: a.st(*state),
+                hk: *hk,
+                hv: *hv,
+                dk: *dk,
+                dv: *dv,
+            };
+            LaunchSpec {
+                kernel: "gdn_recur",
+                params: bytes(&p),
+                grid: (*hv, streams, 1),
+                block: (dv.div_ceil(32) * 32, 1, 1),
+            }
+        }
+        Op::GdnCommit {
+            stash,
+            raw,
+            state,
+            conv,
+            keep,
+            hk,
+            hv,
+            dk,
+            dv,
+            channels,
+            kernel,
+        } => {
+            let p = FpGdnCommit {
+                c,
+                stash: a.buf(v, *stash),
+                raw: a.buf(v, *raw),
+                keep: a.keep(v, keep),
+                state: a.st(*state),
+                conv: a.st(*conv),
+                hk: *hk,
+                hv: *hv,
+                dk: *dk,
+                dv: *dv,
+                channels: *channels,
+                kernel: *kernel,
+            };
+            LaunchSpec {
+                kernel: "gdn_commit",
+                params: bytes(&p),
+                grid: (*hv, streams, 1),
+                block: (dv.div_ceil(32) * 32, 1, 1),
+            }
+        }
+        Op::GatedNorm {
+            x,
+            z,
+            w,
+            out,
+            heads,
+            dim,
+            act,
+            eps,
+        } => {
+            let p = FpGatedNorm {
+                c,
+                x: a.buf(v, *x),
+                z: a.buf(v, *z),
+                w: a.w(*w)?,
+                out: a.buf(v, *out),
+                heads: *heads,
+                dim: *dim,
+                act: match act {
+                    GateAct::Sigmoid => 0,
+                    GateAct::Silu => 1,
+                },
+                eps: *eps,
+            };
+            one("gated_norm", bytes(&p), rows, 256)
+        }
+        Op::AttnPrep {
+            q_raw,
+            k_raw,
+            v_raw,
+            q_norm,
+            k_norm,
+            q,
+            gate,
+            k_cache,
+            v_cache,
+            heads,
+            kv_heads,
+            hd,
+            eps,
+            ..
+        } => {
+            if *hd > 512 {
+                return Err(BackendError::Device("attn_prep: hd > 512".into()));
+            }
+            let p = FpAttnPrep {
+                c,
+                q_raw: a.buf(v, *q_raw),
+                k_raw: a.buf(v, *k_raw),
+                v_raw: a.buf(v, *v_raw),
+                q_norm: a.w(*q_norm)?,
+                k_norm: a.w(*k_norm)?,
+                q: a.buf(v, *q),
+                gate: a.buf(v, *gate),
+                rope: a.rope,
+                k_cache: a.st(*k_cache),
+                v_cache: a.st(*v_cache),
+                heads: *heads,
+                kv_heads: *kv_heads,
+                hd: *hd,
+                rot_half: half,
+                attn_factor: af,
+                eps: *eps,
+            };
+            one("attn_prep", bytes(&p), rows, 256)
+        }
+        Op::IndexerPrep {
+            qk,
+            q_norm,
+            q_out,
+            raw_keys,
+            ih,
+            id,
+            eps,
+            ..
+        } => {
+            let p = FpIndexerPrep {
+                c,
+                qk: a.buf(v, *qk),
+                q_norm: a.w(*q_norm)?,
+                q_out: a.buf(v, *q_out),
+                rope: a.rope,
+                raw_keys: a.st(*raw_keys),
+                ih: *ih,
+                id: *id,
+                rot_half: half,
+                attn_factor: af,
+                eps: *eps,
+                pad: 0,
+            };
+            one("indexer_prep", bytes(&p), rows, 256)
+        }
+        Op::IndexerSelect {
+            q,
+            k_norm,
+            raw_keys,
+            pooled,
+            sel,
+            ih,
+            id,
+            ratio,
+            topk,
+            eps,
+            ..
+        } => {
+            let p = FpIndexerSelect {
+                c,
+                q: a.buf(v, *q),
+                k_norm: a.w(*k_norm)?,
+                sel: a.buf(v, *sel),
+                rope: a.rope,
+                raw_keys: a.st(*raw_keys),
+                pooled: a.st(*pooled),
+                ih: *ih,
+                id: *id,
+                rot_half: half,
+                ratio: *ratio,
+                topk: *topk,
+                nb_max: (a.body.state.context / *ratio as u64 + 1) as u32,
+                attn_factor: af,
+                eps: *eps,
+            };
+            one("indexer_select", bytes(&p), rows, 256)
+        }
+        Op::SparseAttn {
+            q,
+            gate,
+            sel,
+            k_cache,
+            v_cache,
+            out,
+            heads,
+            kv_heads,
+            hd,
+            ratio,
+            topk,
+        } => {
+            let p = FpSparseAttn {
+                c,
+                q: a.buf(v, *q),
+                gate: a.buf(v, *gate),
+                sel: a.buf(v, *sel),
+                out: a.buf(v, *out),
+                k_cache: a.st(*k_cache),
+                v_cache: a.st(*v_cache),
+                heads: *heads,
+                kv_heads: *kv_heads,
+                hd: *hd,
+                ratio: *ratio,
+                topk: *topk,
+                max_tokens: (*topk + 1) * *ratio,
+            };
+            LaunchSpec {
+                kernel: "sparse_attn",
+                params: bytes(&p),
+                grid: (rows, *heads, 1),
+                block: (128, 1, 1),
+            }
+        }
+        Op::IndexerCommit {
+            raw_keys,
+            pooled,
+            k_norm,
+            keep,
+            id,
+            ratio,
+            eps,
+            ..
+        } => {
+            let p = FpIndexerCommit {
+                c,
+                k_norm: a.w(*k_norm)?,
+                keep: a.keep(v, keep),
+                rope: a.rope,
+                raw_keys: a.st(*raw_keys),
+                pooled: a.st(*pooled),
+                id: *id,
+                rot_half: half,
+                ratio: *ratio,
+                attn_factor: af,
+                eps: *eps,
+                pad: 0,
+            };
+            one("indexer_commit", bytes(&p), streams, 256)
+        }
+        Op::Router {
+            x,
+            gate,
+            ids,
+            weights,
+            experts,
+            topk,
+            dim,
+            norm,
+        } => {
+            if *experts > 1024 || *topk > 32 {
+                return Err(BackendError::Device(
+                    "router: more than 1024 experts or top-k above 32".into(),
+                ));
+            }
+            let p = FpRouter {
+                c,
+                x: a.buf(v, *x),
+                gate: a.w(*gate)?,
+                ids: a.buf(v, *ids),
+                weights: a.buf(v, *weights),
+                experts: *experts,
+                topk: *topk,
+                dim: *dim,
+                norm: *norm as u32,
+            };
+            one("router", bytes(&p), rows, 256)
+        }
+        Op::Experts {
+            x,
+            ids,
+            weights,
+            gate_up,
+            down,
+            out,
+            topk,
+            dim,
+            inter,
+        } => {
+            let p = FpExperts {
+                c,
+                x: a.buf(v, *x),
+                ids: a.buf(v, *ids),
+                weights: a.buf(v, *weights),
+                gate_up: a.w(*gate_up)?,
+                down: a.w(*down)?,
+                out: a.buf(v, *out),
+                topk: *topk,
+                dim: *dim,
+                inter: *inter,
+                pad: 0,
+            };
+            one("experts", bytes(&p), rows, 512)
+        }
+        Op::SharedExpert {
+            x,
+            gate,
+            up,
+            down,
+            scale,
+            out,
+            dim,
+            inter,
+        } => {
+            let p = FpSharedExpert {
+                c,
+                x: a.buf(v, *x),
+                gate: a.w(*gate)?,
+                up: a.w(*up)?,
+                down: a.w(*down)?,
+                scale: a.w(*scale)?,
+                out: a.buf(v, *out),
+                dim: *dim,
+                inter: *inter,
+            };
+            one("shared_expert", bytes(&p), rows, 512)
+        }
+        Op::Sample {
+            logits,
+            tokens,
+            probs,
+            rows: which,
+            vocab,
+        } => {
+            let (mode, items) = match which {
+                SampleRows::All => (0, rows),
+                SampleRows::Last => (1, streams),
+                SampleRows::MtpGathered => (2, streams),
+            };
+            let p = FpSample {
+                c,
+                logits: a.buf(v, *logits),
+                tokens: a.buf(v, *tokens),
+                probs: a.buf(v, *probs),
+                mode,
+                vocab: *vocab,
+            };
+            one("sample", bytes(&p), items, 1024)
+        }
+        Op::KeepCount { sampled, keep } => {
+            let p = FpKeepCount {
+                c,
+                sampled: a.buf(v, *sampled),
+                keep: a.buf(v, *keep),
+            };
+            one("keep_count", bytes(&p), 1, 32)
+        }
+    })
+}

@@ -1,0 +1,921 @@
+//! The CUDA backend (`architecture.md`, "Backends"): one GPU thread owns the context, the stream, the device
+//! memory and the graphs (`CudaGraph` is not `Send`); the [`CudaBackend`] handle talks to it through channels, so
+//! it is `Send` like every [`Backend`].
+//!
+//! - Weights: the f32 host weights are converted to BF16 at upload (each weight 256-byte aligned in one
+//!   allocation; the manifest's group offsets are not used yet).
+//! - Activations (arena, io buffers) are f32 with the plan's layout; per-slot state is f32 for every piece
+//!   (`slot_elems * 4` bytes per slot at the pieces' element offsets; BF16 caches are a later step).
+//! - All memory (weights, arena, io, slots, round descriptor, scratch, RoPE table, pinned staging) is allocated
+//!   before any capture. Each variant is captured on first use on a non-default stream in thread-local capture
+//!   mode and instantiated; the round descriptor is copied into its fixed device buffer before every replay.
+//! - Io buffers are read back through pinned host memory allocated with flags 0 (not write-combined), on demand.
+//! - A missing GPU or driver, or a plan for another arch or other kernel sources, is an error, never a panic.
+
+mod launch;
+#[allow(missing_docs, dead_code)]
+pub mod params {
+    //! Rust mirrors of `kernels/params.h` (generated at build time).
+    include!(concat!(env!("OUT_DIR"), "/kernel_params.rs"));
+}
+mod bundled {
+    include!(concat!(env!("OUT_DIR"), "/kernel_sources.rs"));
+}
+
+use std::cell::OnceCell;
+use std::collections::{BTreeMap, HashMap};
+use std::ffi::c_void;
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::Arc;
+use std::time::Instant;
+
+use cudarc::driver::{result, sys, CudaContext, CudaStream};
+use flashplan_plan::format::sha256_hex;
+use flashplan_plan::{IoBuf, Op, PlanBody, RoundDesc, StateKind, VariantKind};
+
+use crate::backend::{Backend, BackendError};
+use crate::cpu::kernels::Rope;
+use params::{FpCommon, FpStream};
+
+const IO_BUFS: [IoBuf; 6] = [
+    IoBuf::MainStreams,
+    IoBuf::MtpStreams,
+    IoBuf::Logits,
+    IoBuf::Sampled,
+    IoBuf::Probs,
+    IoBuf::Keep,
+];
+
+/// The kernel sources bundled into this binary: (file name, text), sorted by name.
+pub fn kernel_sources() -> &'static [(&'static str, &'static str)] {
+    bundled::KERNEL_SOURCES
+}
+
+/// SHA-256 (hex) of the bundled kernel sources, as the compiler writes it into GPU plan headers
+/// (`PlanSet::check_matches(cfg, arch, Some(&kernel_source_hash()))`).
+pub fn kernel_source_hash() -> String {
+    let mut all = Vec::new();
+    for (name, text) in kernel_sources() {
+        all.extend_from_slice(name.as_bytes());
+        all.push(0);
+        all.extend_from_slice(text.as_bytes());
+        all.push(0);
+    }
+    sha256_hex(&all)
+}
+
+/// The hash keying one module (its source and every header), as the compiler's NVRTC pipeline computes it.
+fn module_hash(name: &str, src: &str) -> String {
+    let mut all = Vec::new();
+    all.extend_from_slice(name.as_bytes());
+    all.push(0);
+    all.extend_from_slice(src.as_bytes());
+    for (n, t) in kernel_sources() {
+        if !n.ends_with(".cu") {
+            all.push(0);
+            all.extend_from_slice(n.as_bytes());
+            all.push(0);
+            all.extend_from_slice(t.as_bytes());
+        }
+    }
+    sha256_hex(&all)
+}
+
+/// Whether a CUDA GPU can be used here: `Ok(name and compute capability)` or the reason it cannot.
+pub fn probe_gpu() -> Result<String, String> {
+    // SAFETY: only tries to load the driver library.
+    if !unsafe { sys::is_culib_present() } {
+        return Err("no CUDA driver (libcuda) on this machine".into());
+    }
+    result::init().map_err(|e| format!("cuInit failed: {e}"))?;
+    let n = result::device::get_count().map_err(|e| format!("no CUDA device: {e}"))?;
+    if n < 1 {
+        return Err("no CUDA device".into());
+    }
+    let ctx = CudaContext::new(0).map_err(|e| format!("CUDA context: {e}"))?;
+    let (maj, min) = ctx
+        .compute_capability()
+        .map_err(|e| format!("compute capability: {e}"))?;
+    Ok(format!(
+        "{} (sm_{maj}{min})",
+        ctx.name().unwrap_or_else(|_| "GPU".into())
+    ))
+}
+
+fn dev_err(what: &str) -> impl Fn(result::DriverError) -> BackendError + '_ {
+    move |e| BackendError::Device(format!("{what}: {e}"))
+}
+
+/// Capture statistics of one variant.
+#[derive(Debug, Clone)]
+pub struct CaptureInfo {
+    /// Variant name.
+    pub variant: String,
+    /// Kernel nodes.
+    pub nodes: usize,
+    /// Capture and instantiation time, milliseconds.
+    pub ms: f64,
+}
+
+/// Timing of repeated replays ([`CudaBackend::bench`]).
+#[derive(Debug, Clone)]
+pub struct BenchResult {
+    /// Median replay time (CUDA events), microseconds.
+    pub median_us: f64,
+    /// Per-kernel time summed over the nodes of one replay, when launched one by one without a graph
+    /// (events around each launch), microseconds, by kernel name.
+    pub kernels_us: Vec<(String, f64)>,
+}
+
+enum Cmd {
+    Run(
+        usize,
+        Vec<u8>,
+        Sender<Result<Option<CaptureInfo>, BackendError>>,
+    ),
+    Fetch(IoBuf, Sender<Result<Vec<f32>, BackendError>>),
+    Write(IoBuf, usize, Vec<f32>, Sender<Result<(), BackendError>>),
+    SetSlot(u32, Vec<f32>, Sender<Result<(), BackendError>>),
+    GetSlot(u32, Sender<Result<Vec<f32>, BackendError>>),
+    Bench(
+        usize,
+        Vec<u8>,
+        u32,
+        Sender<Result<BenchResult, BackendError>>,
+    ),
+}
+
+/// The CUDA backend handle.
+pub struct CudaBackend {
+    body: Arc<PlanBody>,
+    tx: Option<Sender<Cmd>>,
+    worker: Option<std::thread::JoinHandle<()>>,
+    index: BTreeMap<VariantKind, usize>,
+    cache: BTreeMap<IoBuf, OnceCell<Vec<f32>>>,
+    captures: Vec<CaptureInfo>,
+}
+
+impl CudaBackend {
+    /// Starts the GPU thread: checks the device against the plan's arch and the plan's kernels against the bundled
+    /// sources, loads the cubins, uploads the weights (BF16; `None` entries are not loaded) and allocates
+    /// everything. Graphs are captured on first use.
+    ///
+    /// # Errors
+    /// [`BackendError::Device`] for a missing GPU, a plan for another arch or other kernel sources, or a CUDA error.
+    pub fn new(
+        body: Arc<PlanBody>,
+        weights: &[Option<Vec<f32>>],
+    ) -> Result<CudaBackend, BackendError> {
+        let arch = body.options.arch.clone();
+        let want = parse_arch(&arch).ok_or_else(|| {
+            BackendError::Device(format!(
+                "the plan is for arch `{arch}`, not a CUDA arch: compile the plans with --arch sm_90a"
+            ))
+        })?;
+        if body.kernels.is_empty() {
+            return Err(BackendError::Device(
+                "the plan carries no kernel modules: recompile it for a CUDA arch".into(),
+            ));
+        }
+        for m in &body.kernels {
+            let file = format!("{}.cu", m.name);
+            let src = kernel_sources()
+                .iter()
+                .find(|(n, _)| *n == file)
+                .map(|(_, s)| *s);
+            match src {
+                Some(s) if module_hash(&file, s) == m.source_hash => {}
+                _ => {
+                    return Err(BackendError::Device(format!(
+                        "plan mismatch: kernel module `{}` was built from other kernel sources than this \
+                         runtime's; recompile the plans",
+                        m.name
+                    )))
+                }
+            }
+        }
+        probe_gpu().map_err(BackendError::Device)?;
+        // Upload in bf16, converted here (the GPU thread only copies).
+        let mut bf: Vec<Option<Vec<u16>>> = Vec::with_capacity(weights.len());
+        for w in weights {
+            bf.push(w.as_ref().map(|w| {
+                w.iter()
+                    .map(|x| half::bf16::from_f32(*x).to_bits())
+                    .collect()
+            }));
+        }
+        let (tx, rx) = channel::<Cmd>();
+        let (ready_tx, ready_rx) = channel::<Result<(), BackendError>>();
+        let b2 = Arc::clone(&body);
+        let worker = std::thread::Builder::new()
+            .name("flashplan-gpu".into())
+            .spawn(move || match Worker::new(b2, bf, want) {
+                Ok(mut w) => {
+                    let _ = ready_tx.send(Ok(()));
+                    w.serve(rx);
+                }
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                }
+            })
+            .map_err(|e| BackendError::Device(format!("GPU thread: {e}")))?;
+        ready_rx
+            .recv()
+            .map_err(|_| BackendError::Device("the GPU thread died during start-up".into()))??;
+        let index = body
+            .variants
+            .iter()
+            .enumerate()
+            .map(|(i, v)| (v.kind, i))
+            .collect();
+        let cache = IO_BUFS.iter().map(|b| (*b, OnceCell::new())).collect();
+        let mut be = CudaBackend {
+            body,
+            tx: Some(tx),
+            worker: Some(worker),
+            index,
+            cache,
+            captures: Vec::new(),
+        };
+        for s in 0..be.body.state.slots {
+            be.try_reset_slot(s)?;
+        }
+        Ok(be)
+    }
+
+    fn call<T>(
+        &self,
+        make: impl FnOnce(Sender<Result<T, BackendError>>) -> Cmd,
+    ) -> Result<T, BackendError> {
+        let (tx, rx) = channel();
+        self.tx
+            .as_ref()
+            .ok_or_else(|| BackendError::Device("the GPU thread is gone".into()))?
+            .send(make(tx))
+            .map_err(|_| BackendError::Device("the GPU thread is gone".into()))?;
+        rx.recv()
+            .map_err(|_| BackendError::Device("the GPU thread is gone".into()))?
+    }
+
+    fn check_desc(&self, kind: VariantKind, desc: &RoundDesc) -> Result<usize, BackendError> {
+        let idx = *self
+            .index
+            .get(&kind)
+            .ok_or_else(|| BackendError::NoVariant(kind.name()))?;
+        let body = &self.body;
+        let (s, w) = kind.shape();
+        if desc.streams.len() != s as usize || desc.tokens.len() != (s * w) as usize {
+            return Err(BackendError::BadDescriptor(format!(
+                "{}: {} streams and {} tokens given, {} and {} expected",
+                kind.name(),
+                desc.streams.len(),
+                desc.tokens.len(),
+                s,
+                s * w
+            )));
+        }
+        let vocab = body.config.vocab_size;
+        for sd in &desc.streams {
+            if sd.slot >= body.state.slots
+                || sd.rows > w
+                || (sd.pos + sd.rows) as u64 > body.state.context
+            {
+                return Err(BackendError::BadDescriptor(format!(
+                    "{}: stream {sd:?} out of range",
+                    kind.name()
+                )));
+            }
+            let p = sd.sampling;
+            if p.temperature > 0.0
+                && ((p.top_k > 0 && p.top_k < vocab) || p.top_p < 1.0 || p.min_p > 0.0)
+            {
+                return Err(BackendError::BadDescriptor(
+                    "top-k / top-p / min-p sampling is not implemented on the CUDA backend yet"
+                        .into(),
+                ));
+            }
+        }
+        Ok(idx)
+    }
+
+    /// The descriptor's device image: `FpStream[max_streams]` then `u32 tokens[max_rows]`.
+    fn desc_bytes(&self, desc: &RoundDesc) -> Vec<u8> {
+        let ms = self.body.io.max_streams as usize;
+        let mr = self.body.io.max_rows as usize;
+        let mut out = vec![0u8; ms * std::mem::size_of::<FpStream>() + mr * 4];
+        for (i, s) in desc.streams.iter().enumerate() {
+            let f = FpStream {
+                seed: s.sampling.seed,
+                slot: s.slot,
+                pos: s.pos,
+                rows: s.rows,
+                committed: s.committed,
+                src_row: s.src_row,
+                temperature: s.sampling.temperature,
+                top_k: s.sampling.top_k,
+                top_p: s.sampling.top_p,
+                min_p: s.sampling.min_p,
+                pad: 0,
+            };
+            let at = i * std::mem::size_of::<FpStream>();
+            // SAFETY: FpStream is a plain #[repr(C)] struct without padding.
+            let b = unsafe {
+                std::slice::from_raw_parts(
+                    &f as *const FpStream as *const u8,
+                    std::mem::size_of::<FpStream>(),
+                )
+            };
+            out[at..at + b.len()].copy_from_slice(b);
+        }
+        let base = ms * std::mem::size_of::<FpStream>();
+        for (i, t) in desc.tokens.iter().enumerate() {
+            out[base + i * 4..base + i * 4 + 4].copy_from_slice(&t.to_le_bytes());
+        }
+        out
+    }
+
+    /// Graph captures so far (variant, nodes, capture + instantiate time).
+    pub fn captures(&self) -> &[CaptureInfo] {
+        &self.captures
+    }
+
+    /// Replays a variant `iters` times after warm-up and times it; also times each kernel launched one by one.
+    ///
+    /// # Errors
+    /// As [`Backend::run`].
+    pub fn bench(
+        &mut self,
+        kind: VariantKind,
+        desc: &RoundDesc,
+        iters: u32,
+    ) -> Result<BenchResult, BackendError> {
+        let idx = self.check_desc(kind, desc)?;
+        let bytes = self.desc_bytes(desc);
+        self.invalidate();
+        self.call(|tx| Cmd::Bench(idx, bytes, iters, tx))
+    }
+
+    fn invalidate(&mut self) {
+        for c in self.cache.values_mut() {
+            c.take();
+        }
+    }
+
+    /// Overwrites a slot's whole state (tests restore a snapshot taken with [`Backend::slot_state`]).
+    ///
+    /// # Errors
+    /// [`BackendError`] for a bad slot or size, or a device error.
+    pub fn set_slot_state(&mut self, slot: u32, data: &[f32]) -> Result<(), BackendError> {
+        if data.len() != self.body.state.slot_elems as usize {
+            return Err(BackendError::BadDescriptor(format!(
+                "slot state of {} elements, {} expected",
+                data.len(),
+                self.body.state.slot_elems
+            )));
+        }
+        self.call(|tx| Cmd::SetSlot(slot, data.to_vec(), tx))
+    }
+
+    fn try_reset_slot(&mut self, slot: u32) -> Result<(), BackendError> {
+        let eos = f32::from_bits(self.body.config.eos());
+        let mut st = vec![0f32; self.body.state.slot_elems as usize];
+        for p in &self.body.state.pieces {
+            if p.kind == StateKind::PleHistory {
+                st[p.offset as usize..(p.offset + p.elems()) as usize]
+                    .iter_mut()
+                    .for_each(|x| *x = eos);
+            }
+        }
+        self.call(|tx| Cmd::SetSlot(slot, st, tx))
+    }
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        self.tx.take();
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+    }
+}
+
+impl Backend for CudaBackend {
+    fn body(&self) -> &PlanBody {
+        &self.body
+    }
+
+    fn run(&mut self, kind: VariantKind, desc: &RoundDesc) -> Result<(), BackendError> {
+        let idx = self.check_desc(kind, desc)?;
+        let bytes = self.desc_bytes(desc);
+        self.invalidate();
+        if let Some(info) = self.call(|tx| Cmd::Run(idx, bytes, tx))? {
+            tracing::info!(
+                "captured {} ({} nodes) in {:.1} ms",
+                info.variant,
+                info.nodes,
+                info.ms
+            );
+            self.captures.push(info);
+        }
+        Ok(())
+    }
+
+    fn io(&self, buf: IoBuf) -> &[f32] {
+        match self.cache.get(&buf) {
+            Some(c) => c.get_or_init(|| match self.call(|tx| Cmd::Fetch(buf, tx)) {
+                Ok(v) => v,
+                Err(e) => {
+                    tracing::error!("reading io buffer {buf:?}: {e}");
+                    vec![f32::NAN; self.body.io.elems(buf, &self.body.config) as usize]
+                }
+            }),
+            None => &[],
+        }
+    }
+
+    fn write_io(&mut self, buf: IoBuf, offset: usize, data: &[f32]) {
+        self.invalidate();
+        if let Err(e) = self.call(|tx| Cmd::Write(buf, offset, data.to_vec(), tx)) {
+            tracing::error!("writing io buffer {buf:?}: {e}");
+        }
+    }
+
+    fn reset_slot(&mut self, slot: u32) {
+        if let Err(e) = self.try_reset_slot(slot) {
+            tracing::error!("resetting slot {slot}: {e}");
+        }
+    }
+
+    fn slot_state(&self, slot: u32) -> Vec<f32> {
+        self.call(|tx| Cmd::GetSlot(slot, tx)).unwrap_or_default()
+    }
+}
+
+/// `sm_90a` -> (9, 0).
+fn parse_arch(arch: &str) -> Option<(i32, i32)> {
+    let d: String = arch
+        .strip_prefix("sm_")?
+        .chars()
+        .take_while(|c| c.is_ascii_digit())
+        .collect();
+    if d.len() < 2 {
+        return None;
+    }
+    let (maj, min) = d.split_at(d.len() - 1);
+    Some((maj.parse().ok()?, min.parse().ok()?))
+}
+
+/// A device allocation freed on drop.
+struct DevBuf {
+    ptr: u64,
+}
+
+impl DevBuf {
+    fn new(bytes: usize) -> Result<DevBuf, BackendError> {
+        let bytes = bytes.max(256);
+        // SAFETY: a plain allocation, zeroed below.
+        let ptr = unsafe { result::malloc_sync(bytes) }.map_err(dev_err("cuMemAlloc"))?;
+        unsafe { result::memset_d8_sync(ptr, 0, bytes) }.map_err(dev_err("cuMemset"))?;
+        Ok(DevBuf { ptr })
+    }
+}
+
+impl Drop for DevBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated by malloc_sync, freed once.
+        let _ = unsafe { result::free_sync(self.ptr) };
+    }
+}
+
+/// Pinned host memory (flags 0: cached, not write-combined).
+struct Pinned {
+    ptr: *mut u8,
+    bytes: usize,
+}
+
+impl Pinned {
+    fn new(bytes: usize) -> Result<Pinned, BackendError> {
+        let bytes = bytes.max(256);
+        // SAFETY: allocation of pinned host memory.
+        let ptr = unsafe { result::malloc_host(bytes, 0) }.map_err(dev_err("cuMemHostAlloc"))?;
+        Ok(Pinned {
+            ptr: ptr as *mut u8,
+            bytes,
+        })
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        // SAFETY: allocated by malloc_host, freed once.
+        let _ = unsafe { result::free_host(self.ptr as *mut c_void) };
+    }
+}
+
+struct Graph {
+    exec: sys::CUgraphExec,
+    graph: sys::CUgraph,
+}
+
+/// Everything the GPU thread owns.
+struct Worker {
+    body: Arc<PlanBody>,
+    // Field order matters for drop: graphs, then memory, then modules, stream and context.
+    graphs: HashMap<usize, Graph>,
+    #[allow(dead_code)] // held for its allocation (weight_ptr points into it)
+    weights: Option<DevBuf>,
+    weight_ptr: Vec<u64>,
+    arena: DevBuf,
+    io: BTreeMap<IoBuf, DevBuf>,
+    slots: DevBuf,
+    desc: DevBuf,
+    scratch: DevBuf,
+    rope: DevBuf,
+    staging: Pinned,
+    funcs: HashMap<String, sys::CUfunction>,
+    modules: Vec<sys::CUmodule>,
+    rope_cfg: Rope,
+    stream: Arc<CudaStream>,
+    ctx: Arc<CudaContext>,
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        for (_, g) in self.graphs.drain() {
+            // SAFETY: created by instantiate / end_capture, destroyed once.
+            unsafe {
+                let _ = result::graph::exec_destroy(g.exec);
+                let _ = result::graph::destroy(g.graph);
+            }
+        }
+        for m in self.modules.drain(..) {
+            // SAFETY: loaded once, unloaded once, after every graph using it is gone.
+            let _ = unsafe { result::module::unload(m) };
+        }
+    }
+}
+
+impl Worker {
+    fn new(
+        body: Arc<PlanBody>,
+        weights: Vec<Option<Vec<u16>>>,
+        want: (i32, i32),
+    ) -> Result<Worker, BackendError> {
+        let ctx = CudaContext::new(0).map_err(dev_err("CUDA context"))?;
+        ctx.bind_to_thread().map_err(dev_err("bind context"))?;
+        // SAFETY: this backend never uses cudarc's tracked slices, only raw allocations.
+        unsafe { ctx.disable_event_tracking() };
+        let cc = ctx
+            .compute_capability()
+            .map_err(dev_err("compute capability"))?;
+        if cc != want {
+            return Err(BackendError::Device(format!(
+                "plan mismatch: the plan is for {} but this GPU is sm_{}{}; recompile the plans for this GPU",
+                body.options.arch, cc.0, cc.1
+            )));
+        }
+        let stream = ctx.new_stream().map_err(dev_err("stream"))?;
+        // Modules and functions.
+        let mut modules = Vec::new();
+        let mut funcs = HashMap::new();
+        for m in &body.kernels {
+            // SAFETY: the image is a cubin produced by NVRTC for this arch; it outlives the call.
+            let module = unsafe { result::module::load_data(m.cubin.as_ptr() as *const c_void) }
+                .map_err(|e| {
+                    BackendError::Device(format!("loading kernel module {}: {e}", m.name))
+                })?;
+            modules.push(module);
+            for e in &m.entry_points {
+                let name = std::ffi::CString::new(e.as_str()).expect("entry point name");
+                // SAFETY: module is loaded.
+                let f = unsafe { result::module::get_function(module, name) }
+                    .map_err(|err| BackendError::Device(format!("kernel {e}: {err}")))?;
+                funcs.insert(e.clone(), f);
+            }
+        }
+        // Weights, bf16, 256-byte aligned each.
+        let mut offsets = Vec::with_capacity(weights.len());
+        let mut total = 0usize;
+        for w in &weights {
+            match w {
+                Some(v) => {
+                    offsets.push(Some(total));
+                    total += (v.len() * 2).div_ceil(256) * 256;
+                }
+                None => offsets.push(None),
+            }
+        }
+        let wbuf = if total > 0 {
+            Some(DevBuf::new(total)?)
+        } else {
+            None
+        };
+        let mut weight_ptr = vec![0u64; weights.len()];
+        if let Some(wb) = &wbuf {
+            for (i, (w, off)) in weights.iter().zip(&offsets).enumerate() {
+                if let (Some(v), Some(off)) = (w, off) {
+                    let dst = wb.ptr + *off as u64;
+                    // SAFETY: dst..dst+len*2 lies inside the allocation.
+                    unsafe { result::memcpy_htod_sync(dst, v.as_slice()) }
+                        .map_err(dev_err("weight upload"))?;
+                    weight_ptr[i] = dst;
+                }
+            }
+        }
+        drop(weights);
+        let arena = DevBuf::new(body.arena_elems as usize * 4)?;
+        let mut io = BTreeMap::new();
+        let mut max_io = 0usize;
+        for b in IO_BUFS {
+            let bytes = body.io.elems(b, &body.config) as usize * 4;
+            max_io = max_io.max(bytes);
+            io.insert(b, DevBuf::new(bytes)?);
+        }
+        let slot_bytes = body.state.slot_elems as usize * 4;
+        let slots = DevBuf::new(slot_bytes * body.state.slots as usize)?;
+        let desc_bytes = body.io.max_streams as usize * std::mem::size_of::<FpStream>()
+            + body.io.max_rows as usize * 4;
+        let desc = DevBuf::new(desc_bytes)?;
+        let mut scratch = 0u64;
+        for v in &body.variants {
+            let (s, w) = v.kind.shape();
+            for n in &v.nodes {
+                scratch = scratch.max(launch::scratch_elems(&body, &n.op, (s * w) as u64));
+            }
+        }
+        let scratch = DevBuf::new(scratch as usize * 4)?;
+        let rope_cfg = Rope::new(&body.config);
+        let rope = DevBuf::new(rope_cfg.inv_freq.len() * 4)?;
+        // SAFETY: inside the allocation.
+        unsafe { result::memcpy_htod_sync(rope.ptr, rope_cfg.inv_freq.as_slice()) }
+            .map_err(dev_err("rope upload"))?;
+        let staging = Pinned::new(max_io.max(slot_bytes).max(desc_bytes))?;
+        Ok(Worker {
+            body,
+            graphs: HashMap::new(),
+            weights: wbuf,
+            weight_ptr,
+            arena,
+            io,
+            slots,
+            desc,
+            scratch,
+            rope,
+            staging,
+            funcs,
+            modules,
+            rope_cfg,
+            stream,
+            ctx,
+        })
+    }
+
+    fn serve(&mut self, rx: Receiver<Cmd>) {
+        if let Err(e) = self.ctx.bind_to_thread() {
+            tracing::error!("GPU thread: {e}");
+        }
+        while let Ok(cmd) = rx.recv() {
+            match cmd {
+                Cmd::Run(i, d, tx) => {
+                    let _ = tx.send(self.run(i, &d));
+                }
+                Cmd::Fetch(b, tx) => {
+                    let _ = tx.send(self.fetch(b));
+                }
+                Cmd::Write(b, off, data, tx) => {
+                    let _ = tx.send(self.write(b, off, &data));
+                }
+                Cmd::SetSlot(s, data, tx) => {
+                    let _ = tx.send(self.set_slot(s, &data));
+                }
+                Cmd::GetSlot(s, tx) => {
+                    let _ = tx.send(self.get_slot(s));
+                }
+                Cmd::Bench(i, d, iters, tx) => {
+                    let _ = tx.send(self.bench(i, &d, iters));
+                }
+            }
+        }
+    }
+
+    fn cu(&self) -> sys::CUstream {
+        self.stream.cu_stream()
+    }
+
+    fn sync(&self) -> Result<(), BackendError> {
+        // SAFETY: the stream is valid.
+        unsafe { result::stream::synchronize(self.cu()) }.map_err(dev_err("kernel execution"))
+    }
+
+    /// Launch specs of every node of variant `i`.
+    fn specs(&self, i: usize) -> Result<Vec<launch::LaunchSpec>, BackendError> {
+        let v = &self.body.variants[i];
+        let (s, w) = v.kind.shape();
+        let ms = self.body.io.max_streams as u64;
+        let common = FpCommon {
+            streams: self.desc.ptr,
+            tokens: self.desc.ptr + ms * std::mem::size_of::<FpStream>() as u64,
+            slots: self.slots.ptr,
+            scratch: self.scratch.ptr,
+            slot_elems: self.body.state.slot_elems,
+            nstreams: s,
+            window: w,
+        };
+        let io_ptr = |b: IoBuf| self.io.get(&b).map_or(0, |d| d.ptr);
+        let a = launch::Addrs {
+            body: &self.body,
+            arena: self.arena.ptr,
+            io: &io_ptr,
+            weights: &self.weight_ptr,
+            common,
+            rope: self.rope.ptr,
+            rope_cfg: &self.rope_cfg,
+        };
+        v.nodes.iter().map(|n| launch::spec(&a, v, &n.op)).collect()
+    }
+
+    fn launch(&self, sp: &launch::LaunchSpec) -> Result<(), BackendError> {
+        let f = *self.funcs.get(sp.kernel).ok_or_else(|| {
+            BackendError::Device(format!(
+                "the plan's kernels have no entry point `{}`",
+                sp.kernel
+            ))
+        })?;
+        let mut params = sp.params.clone();
+        let mut args = [params.as_mut_ptr() as *mut c_void];
+        // SAFETY: the function takes one parameter struct by value whose bytes `params` holds; every address in it
+        // points into this worker's allocations, which outlive the launch (and every graph).
+        unsafe { result::launch_kernel(f, sp.grid, sp.block, 0, self.cu(), &mut args) }
+            .map_err(|e| BackendError::Device(format!("launching {}: {e}", sp.kernel)))
+    }
+
+    fn capture(&mut self, i: usize) -> Result<Option<CaptureInfo>, BackendError> {
+        if self.graphs.contains_key(&i) {
+            return Ok(None);
+        }
+        let t0 = Instant::now();
+        let specs = self.specs(i)?;
+        // SAFETY: capture on our non-default stream in thread-local mode; ended below on every path.
+        unsafe {
+            result::stream::begin_capture(
+                self.cu(),
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            )
+        }
+        .map_err(dev_err("begin capture"))?;
+        let mut launched = Ok(());
+        for sp in &specs {
+            launched = self.launch(sp);
+            if launched.is_err() {
+                break;
+            }
+        }
+        // SAFETY: the capture begun above.
+        let graph = unsafe { result::stream::end_capture(self.cu()) };
+        launched?;
+        let graph = graph.map_err(dev_err("end capture"))?;
+        // SAFETY: graph is a valid captured graph.
+        let exec = unsafe { result::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) }
+            .map_err(dev_err("graph instantiate"))?;
+        self.graphs.insert(i, Graph { exec, graph });
+        Ok(Some(CaptureInfo {
+            variant: self.body.variants[i].kind.name(),
+            nodes: specs.len(),
+            ms: t0.elapsed().as_secs_f64() * 1e3,
+        }))
+    }
+
+    fn upload_desc(&self, d: &[u8]) -> Result<(), BackendError> {
+        // SAFETY: the staging buffer is larger than the descriptor and not in use (every command ends synchronised).
+        unsafe {
+            std::ptr::copy_nonoverlapping(d.as_ptr(), self.staging.ptr, d.len());
+            let src = std::slice::from_raw_parts(self.staging.ptr, d.len());
+            result::memcpy_htod_async(self.desc.ptr, src, self.cu())
+        }
+        .map_err(dev_err("descriptor upload"))
+    }
+
+    fn replay(&self, i: usize) -> Result<(), BackendError> {
+        let g = &self.graphs[&i];
+        // SAFETY: an instantiated graph on our stream.
+        unsafe { result::graph::launch(g.exec, self.cu()) }.map_err(dev_err("graph launch"))
+    }
+
+    fn run(&mut self, i: usize, d: &[u8]) -> Result<Option<CaptureInfo>, BackendError> {
+        let info = self.capture(i)?;
+        self.upload_desc(d)?;
+        self.replay(i)?;
+        self.sync()?;
+        Ok(info)
+    }
+
+    fn fetch(&self, b: IoBuf) -> Result<Vec<f32>, BackendError> {
+        let buf = &self.io[&b];
+        let elems = self.body.io.elems(b, &self.body.config) as usize;
+        self.dtoh(buf.ptr, elems)
+    }
+
+    fn dtoh(&self, ptr: u64, elems: usize) -> Result<Vec<f32>, BackendError> {
+        assert!(elems * 4 <= self.staging.bytes);
+        // SAFETY: staging holds at least elems floats; synchronised before reading.
+        unsafe {
+            let dst = std::slice::from_raw_parts_mut(self.staging.ptr as *mut f32, elems);
+            result::memcpy_dtoh_async(dst, ptr, self.cu()).map_err(dev_err("read back"))?;
+            self.sync()?;
+            Ok(dst.to_vec())
+        }
+    }
+
+    fn htod(&self, ptr: u64, data: &[f32]) -> Result<(), BackendError> {
+        assert!(data.len() * 4 <= self.staging.bytes);
+        // SAFETY: staging holds the data; synchronised before returning.
+        unsafe {
+            let src = std::slice::from_raw_parts_mut(self.staging.ptr as *mut f32, data.len());
+            src.copy_from_slice(data);
+            result::memcpy_htod_async(ptr, &*src, self.cu()).map_err(dev_err("upload"))?;
+        }
+        self.sync()
+    }
+
+    fn write(&self, b: IoBuf, off: usize, data: &[f32]) -> Result<(), BackendError> {
+        let elems = self.body.io.elems(b, &self.body.config) as usize;
+        if off + data.len() > elems {
+            return Err(BackendError::BadDescriptor(format!(
+                "write_io {b:?}: {} elements at {off} exceed {elems}",
+                data.len()
+            )));
+        }
+        self.htod(self.io[&b].ptr + off as u64 * 4, data)
+    }
+
+    fn slot_ptr(&self, s: u32) -> Result<u64, BackendError> {
+        if s >= self.body.state.slots {
+            return Err(BackendError::BadDescriptor(format!(
+                "slot {s} out of range"
+            )));
+        }
+        Ok(self.slots.ptr + s as u64 * self.body.state.slot_elems * 4)
+    }
+
+    fn set_slot(&self, s: u32, data: &[f32]) -> Result<(), BackendError> {
+        self.htod(self.slot_ptr(s)?, data)
+    }
+
+    fn get_slot(&self, s: u32) -> Result<Vec<f32>, BackendError> {
+        self.dtoh(self.slot_ptr(s)?, self.body.state.slot_elems as usize)
+    }
+
+    fn bench(&mut self, i: usize, d: &[u8], iters: u32) -> Result<BenchResult, BackendError> {
+        self.capture(i)?;
+        self.upload_desc(d)?;
+        self.sync()?;
+        let ev = || {
+            result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).map_err(dev_err("event"))
+        };
+        let (e0, e1) = (ev()?, ev()?);
+        let time = |this: &Self, f: &dyn Fn(&Self) -> Result<(), BackendError>| {
+            // SAFETY: events and stream are valid.
+            unsafe {
+                result::event::record(e0, this.cu()).map_err(dev_err("event"))?;
+                f(this)?;
+                result::event::record(e1, this.cu()).map_err(dev_err("event"))?;
+                result::event::synchronize(e1).map_err(dev_err("event"))?;
+                result::event::elapsed(e0, e1).map_err(dev_err("event"))
+            }
+        };
+        // Replays keep re-running the same round (state commits repeat on the same positions: same work).
+        for _ in 0..5 {
+            time(self, &|t| t.replay(i))?;
+        }
+        let mut ts: Vec<f64> = (0..iters.max(1))
+            .map(|_| time(self, &|t| t.replay(i)).map(|ms| ms as f64 * 1e3))
+            .collect::<Result<_, _>>()?;
+        ts.sort_by(|a, b| a.total_cmp(b));
+        let median_us = ts[ts.len() / 2];
+        let specs = self.specs(i)?;
+        let mut per: BTreeMap<String, f64> = BTreeMap::new();
+        for sp in &specs {
+            let mut best = f64::MAX;
+            for _ in 0..3 {
+                best = best.min(time(self, &|t| t.launch(sp))? as f64 * 1e3);
+            }
+            *per.entry(sp.kernel.to_string()).or_default() += best;
+        }
+        // SAFETY: created above.
+        unsafe {
+            let _ = result::event::destroy(e0);
+            let _ = result::event::destroy(e1);
+        }
+        let mut kernels_us: Vec<(String, f64)> = per.into_iter().collect();
+        kernels_us.sort_by(|a, b| b.1.total_cmp(&a.1));
+        Ok(BenchResult {
+            median_us,
+            kernels_us,
+        })
+    }
+}
+
+/// The op of a node, re-exported for tools that list nodes per kernel.
+pub fn kernel_of(op: &Op) -> &'static str {
+    op.kernel()
+}

@@ -1,0 +1,89 @@
+#!/usr/bin/env python3
+"""The official `openai` client against a running `flashplan serve`: chat and completion, streamed and not;
+the streamed text equals the non-streamed text, and `draft: false` gives the same token_sha.
+
+    scripts/openai_client_test.py --base-url http://127.0.0.1:8000/v1
+"""
+import argparse
+import sys
+
+import openai
+
+
+def extra(obj, key):
+    """A non-standard response field (pydantic keeps unknown fields in model_extra)."""
+    return (getattr(obj, "model_extra", None) or {}).get(key)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    ap.add_argument("--max-tokens", type=int, default=24)
+    a = ap.parse_args()
+    client = openai.OpenAI(base_url=a.base_url, api_key="none")
+    model = client.models.list().data[0].id
+    print(f"model {model}")
+    failures = 0
+
+    def check(name, ok, detail=""):
+        nonlocal failures
+        print(f"{'ok  ' if ok else 'FAIL'} {name} {detail}")
+        failures += 0 if ok else 1
+
+    prompt = 'def read_lines(path):\n    """Return the lines of a file."""\n'
+    common = dict(model=model, max_tokens=a.max_tokens, temperature=0)
+
+    # Completions.
+    whole = client.completions.create(prompt=prompt, **common)
+    text = whole.choices[0].text
+    sha = extra(whole, "flashplan")["token_sha"]
+    pieces, sha_s, usage = [], None, None
+    for chunk in client.completions.create(
+        prompt=prompt, stream=True, stream_options={"include_usage": True}, **common
+    ):
+        if chunk.choices:
+            pieces.append(chunk.choices[0].text or "")
+        fp = extra(chunk, "flashplan")
+        if fp:
+            sha_s = fp["token_sha"]
+        if chunk.usage:
+            usage = chunk.usage
+    check("completion: streamed text == non-streamed text", "".join(pieces) == text, repr(text[:40]))
+    check("completion: streamed token_sha", sha_s == sha)
+    check(
+        "completion: usage in the stream",
+        usage is not None and usage.completion_tokens == whole.usage.completion_tokens,
+    )
+    plain = client.completions.create(prompt=prompt, extra_body={"draft": False}, **common)
+    check("completion: draft false gives the same token_sha", extra(plain, "flashplan")["token_sha"] == sha)
+
+    # Chat.
+    messages = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
+    cw = client.chat.completions.create(messages=messages, **common)
+    ctext = cw.choices[0].message.content
+    csha = extra(cw, "flashplan")["token_sha"]
+    cpieces, csha_s = [], None
+    for chunk in client.chat.completions.create(messages=messages, stream=True, **common):
+        if chunk.choices and chunk.choices[0].delta.content:
+            cpieces.append(chunk.choices[0].delta.content)
+        fp = extra(chunk, "flashplan")
+        if fp:
+            csha_s = fp["token_sha"]
+    check("chat: streamed text == non-streamed text", "".join(cpieces) == ctext, repr(ctext[:40]))
+    check("chat: streamed token_sha", csha_s == csha)
+    cplain = client.chat.completions.create(messages=messages, extra_body={"draft": False}, **common)
+    check("chat: draft false gives the same token_sha", extra(cplain, "flashplan")["token_sha"] == csha)
+
+    # A bad request is a 400 the client raises as BadRequestError.
+    try:
+        client.completions.create(prompt=prompt, model=model, max_tokens=4, temperature=-1)
+        check("bad request raises BadRequestError", False)
+    except openai.BadRequestError as e:
+        check("bad request raises BadRequestError", "temperature" in str(e))
+
+    print("all passed" if failures == 0 else f"{failures} failed")
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
