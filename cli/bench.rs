@@ -142,6 +142,7 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
                 parallel: a.parallel,
                 max_depth: a.max_depth,
                 context: a.context,
+                confidence: 0.3,
             };
             let state = crate::serve::start(&margs, None)?;
             let rt = tokio::runtime::Builder::new_multi_thread()

@@ -32,6 +32,10 @@ pub struct ModelArgs {
     /// Context per stream when compiling plans into the cache.
     #[arg(long, default_value_t = 32768)]
     pub context: u64,
+    /// MTP confidence threshold: a chained draft whose probability (temperature 1) is below it ends the chain;
+    /// the first draft is always kept.
+    #[arg(long, default_value_t = 0.3)]
+    pub confidence: f32,
 }
 
 /// A model ready to serve.
@@ -170,7 +174,15 @@ pub fn check_env() -> anyhow::Result<()> {
 
 /// Loads plans, checkpoint and tokenizer, and builds the engine.
 pub fn load(a: &ModelArgs) -> anyhow::Result<Loaded> {
-    let eopts = engine_options(a.parallel, a.max_depth)?;
+    anyhow::ensure!(
+        (0.0..=1.0).contains(&a.confidence),
+        "--confidence {}: expected a probability in [0, 1]",
+        a.confidence
+    );
+    let eopts = EngineOptions {
+        confidence: a.confidence,
+        ..engine_options(a.parallel, a.max_depth)?
+    };
     let mut copts = flashplan_compiler::default_options(backend_arch());
     copts.context = a.context;
     copts.max_depth = a.max_depth.max(1);
