@@ -224,7 +224,7 @@ fn fixtures_greedy_with_drafts_equals_transformers() {
 
 /// Slot state pieces that must match plain decoding at equal committed positions: the GDN state bit for bit, conv
 /// windows, PLE history and tail, and every cache up to the committed length.
-fn state_at(e: &Engine<CpuBackend>, slot: u32, pos: u32) -> Vec<(String, Vec<u32>)> {
+fn state_at(e: &Engine<CpuBackend>, slot: u32, pos: u32) -> PieceBits {
     let body = e.backend().body();
     let st = e.backend().slot_state(slot);
     body.state
@@ -256,10 +256,13 @@ fn state_at(e: &Engine<CpuBackend>, slot: u32, pos: u32) -> Vec<(String, Vec<u32
         .collect()
 }
 
+/// Slot state pieces by name, as bits.
+type PieceBits = Vec<(String, Vec<u32>)>;
+
 fn states_by_position(
     mut e: Engine<CpuBackend>,
     r: Request,
-) -> (Vec<(u32, Vec<(String, Vec<u32>)>)>, ReplyStats) {
+) -> (Vec<(u32, PieceBits)>, ReplyStats) {
     let id = e.submit(r).expect("submit");
     let mut out = Vec::new();
     let mut stats = None;
