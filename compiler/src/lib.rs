@@ -3,6 +3,7 @@
 #![warn(missing_docs)]
 
 pub mod checkpoint;
+pub mod cli;
 pub mod deps;
 pub mod graph;
 pub mod inspect;
