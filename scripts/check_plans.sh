@@ -14,8 +14,9 @@ case "${1:-}" in
 esac
 
 cargo build --release --quiet -p flashplan-compiler --bin flashplan-compile --bin flashplan-plans
-compile=target/release/flashplan-compile
-plans=target/release/flashplan-plans
+target_dir="${CARGO_TARGET_DIR:-target}"
+compile="$target_dir/release/flashplan-compile"
+plans="$target_dir/release/flashplan-plans"
 
 # name | config | extra options (keep in sync with docs/plans.md)
 targets=(
