@@ -19,7 +19,7 @@ pub struct CompileArgs {
     /// Output directory (receives plans.fplan).
     #[arg(long)]
     pub out: PathBuf,
-    /// Target arch: cpu or an NVIDIA arch such as sm_90a (default: cpu).
+    /// Target arch: cpu or an NVIDIA arch such as sm_90a (default: sm_90a when a Hopper GPU is present, else cpu).
     #[arg(long)]
     pub arch: Option<String>,
     /// Most drafts per window (verify windows have 1..=N+1 rows).
@@ -55,7 +55,7 @@ pub fn compile(a: CompileArgs) -> anyhow::Result<()> {
     let cfg = flashplan_plan::ModelConfig::from_json_str(&text)
         .with_context(|| format!("config {}", cfg_path.display()))?;
     let opts = flashplan_plan::CompileOptions {
-        arch: a.arch.unwrap_or_else(|| crate::default_arch().to_string()),
+        arch: a.arch.unwrap_or_else(crate::detect_arch),
         max_depth: a.max_depth,
         streams: a.streams,
         context: a.context,

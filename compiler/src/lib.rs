@@ -21,11 +21,32 @@ use flashplan_plan::{
 pub use inspect::{inspect_path, report_human, report_json, InspectOptions};
 pub use manifest::FormSource;
 
-/// The arch to compile for when none is given. GPU detection comes with the CUDA backend (it needs the driver,
-/// which this crate does not link); until then the default is the CPU backend, `cpu`, and `--arch sm_90a` is
-/// given explicitly for the GPU.
+/// The arch of the CPU reference backend, the base every caller starts from before choosing a backend.
 pub fn default_arch() -> &'static str {
     "cpu"
+}
+
+/// The arch `flashplan compile` targets when `--arch` is not given: `sm_90a` when this machine has a Hopper GPU
+/// (compute capability 9.0, the only arch the kernels are built for), else `cpu`. Only the driver library is
+/// probed (loaded at run time); a machine without CUDA answers `cpu`.
+pub fn detect_arch() -> String {
+    use cudarc::driver::{result, sys};
+    let probe = || -> Option<String> {
+        // SAFETY: only tries to load the driver library.
+        if !unsafe { sys::is_culib_present() } {
+            return None;
+        }
+        result::init().ok()?;
+        if result::device::get_count().ok()? < 1 {
+            return None;
+        }
+        let dev = result::device::get(0).ok()?;
+        let attr = |a| unsafe { result::device::get_attribute(dev, a) }.ok();
+        let major = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+        let minor = attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+        (major == 9 && minor == 0).then(|| "sm_90a".to_string())
+    };
+    probe().unwrap_or_else(|| default_arch().to_string())
 }
 
 /// The compiler's version, recorded in every plan header.
