@@ -7,8 +7,10 @@ use std::sync::Arc;
 use anyhow::Context;
 use flashplan_compiler::inspect::PLAN_FILE;
 use flashplan_plan::{CompileOptions, ModelConfig, PlanBody, PlanSet};
+use flashplan_runtime::backend::Backend;
 use flashplan_runtime::checkpoint::{load_checkpoint, LoadOptions};
 use flashplan_runtime::cpu::CpuBackend;
+use flashplan_runtime::cuda::{probe_gpu, CudaBackend};
 use flashplan_runtime::engine::{Engine, EngineOptions};
 use flashplan_runtime::tokenizer::Tokenizer;
 use sha2::{Digest, Sha256};
@@ -40,8 +42,8 @@ pub struct ModelArgs {
 
 /// A model ready to serve.
 pub struct Loaded {
-    /// The engine over its backend.
-    pub engine: Engine<CpuBackend>,
+    /// The engine over its backend (CUDA when a GPU is present and the plans could be built for it, else CPU).
+    pub engine: Engine<Box<dyn Backend>>,
     /// The tokenizer.
     pub tokenizer: Arc<Tokenizer>,
     /// The model's name (its directory's name).
@@ -59,9 +61,40 @@ pub fn cache_dir() -> PathBuf {
     home.join(".cache/flashplan/plans")
 }
 
-/// The arch the plans are compiled for: the backend's.
-pub fn backend_arch() -> &'static str {
-    flashplan_compiler::default_arch()
+/// Which backend to use: `FLASHPLAN_BACKEND` = `auto` (default: CUDA when a usable GPU is present, else CPU),
+/// `cpu` or `cuda` (an error when the CUDA backend cannot start). Any other value refuses to start, naming the
+/// variable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendChoice {
+    /// CUDA when possible, else CPU (saying why).
+    Auto,
+    /// The CPU reference backend.
+    Cpu,
+    /// The CUDA backend or an error.
+    Cuda,
+}
+
+/// The backend choice from `FLASHPLAN_BACKEND`.
+pub fn backend_choice() -> anyhow::Result<BackendChoice> {
+    match std::env::var("FLASHPLAN_BACKEND").as_deref() {
+        Err(_) | Ok("") | Ok("auto") => Ok(BackendChoice::Auto),
+        Ok("cpu") => Ok(BackendChoice::Cpu),
+        Ok("cuda") => Ok(BackendChoice::Cuda),
+        Ok(other) => anyhow::bail!("FLASHPLAN_BACKEND={other:?}: expected auto, cpu or cuda"),
+    }
+}
+
+/// The CUDA arch the plans are compiled for on this machine's GPU, or why there is none: the kernels are built
+/// for Hopper (`sm_90a`), so only a compute capability 9.0 device qualifies.
+pub fn gpu_arch() -> Result<(String, String), String> {
+    let gpu = probe_gpu()?;
+    if gpu.ends_with("(sm_90)") {
+        Ok(("sm_90a".to_string(), gpu))
+    } else {
+        Err(format!(
+            "{gpu}: the CUDA kernels are built for sm_90a (Hopper) only"
+        ))
+    }
 }
 
 /// Plans for `model`: `plans` when given, else the cache entry keyed by config, arch, options and compiler
@@ -91,6 +124,10 @@ pub fn plans_for(
     h.update(format!("{opts:?}").as_bytes());
     h.update(flashplan_compiler::COMPILER_VERSION.as_bytes());
     h.update(flashplan_plan::FORMAT_VERSION.to_string().as_bytes());
+    if opts.arch != "cpu" {
+        // GPU plans carry the cubins: new kernel sources need new plans.
+        h.update(flashplan_compiler::nvrtc::source_hash().as_bytes());
+    }
     let key: String = h
         .finalize()
         .iter()
@@ -130,14 +167,14 @@ pub fn plans_for(
     Ok(set)
 }
 
-/// The backend for a plan: the one place where the CUDA backend will plug in (chosen by the plan's arch and the
-/// devices present). Today every build runs the CPU reference backend.
+/// The backend for a plan, chosen by the plan's arch: the CUDA backend for a CUDA arch (weights uploaded as BF16),
+/// the CPU reference backend for `cpu`. Returns the backend, whether the checkpoint has the MTP drafter, and the
+/// backend in words.
 pub fn make_backend(
     model: &Path,
     body: PlanBody,
     form: flashplan_plan::DrafterForm,
-) -> anyhow::Result<(CpuBackend, bool)> {
-    eprintln!("no GPU backend in this build: running on the CPU backend");
+) -> anyhow::Result<(Box<dyn Backend>, bool, String)> {
     let mut w = load_checkpoint(
         model,
         &body,
@@ -150,10 +187,68 @@ pub fn make_backend(
     let has_mtp = w.has_mtp;
     // FLASHPLAN_MTP_WEIGHTS=mxfp8|mxfp8-head: re-code the drafter (and its head) once, at load.
     flashplan_runtime::mxfp8::derive_drafter_weights(&body, &mut w.tensors, form);
+    if body.options.arch == "cpu" {
+        return Ok((
+            Box::new(CpuBackend::new(Arc::new(body), Arc::new(w.tensors))),
+            has_mtp,
+            "the CPU backend".to_string(),
+        ));
+    }
+    let arch = body.options.arch.clone();
+    let gpu = probe_gpu().unwrap_or_else(|_| "GPU".into());
+    let be = CudaBackend::new(Arc::new(body), &w.tensors)
+        .with_context(|| format!("starting the CUDA backend ({arch} plans)"))?;
     Ok((
-        CpuBackend::new(Arc::new(body), Arc::new(w.tensors)),
+        Box::new(be),
         has_mtp,
+        format!("the CUDA backend on {gpu}, {arch} plans"),
     ))
+}
+
+/// Plans and backend together: with `FLASHPLAN_BACKEND` unset or `auto`, the CUDA backend when a Hopper GPU is
+/// present and the plans can be built for it (NVRTC, or the kernel cache `$FLASHPLAN_KERNEL_CACHE`, by default
+/// `<cache>/../kernels`, filled on a machine with NVRTC), else the CPU backend; the choice and any reason for
+/// falling back are printed on stderr. `copts.arch` is ignored (the backend decides it).
+pub fn load_backend(
+    model: &Path,
+    plans: Option<&Path>,
+    copts: &CompileOptions,
+    form: flashplan_plan::DrafterForm,
+) -> anyhow::Result<(Box<dyn Backend>, bool, String)> {
+    let choice = backend_choice()?;
+    let mut why_cpu = String::from("FLASHPLAN_BACKEND=cpu");
+    if choice != BackendChoice::Cpu {
+        match gpu_arch() {
+            Ok((arch, _)) => {
+                if std::env::var_os("FLASHPLAN_KERNEL_CACHE").is_none() {
+                    let dir = cache_dir()
+                        .parent()
+                        .map(|p| p.join("kernels"))
+                        .unwrap_or_else(|| cache_dir().join("kernels"));
+                    std::env::set_var("FLASHPLAN_KERNEL_CACHE", dir);
+                }
+                let mut o = copts.clone();
+                o.arch = arch;
+                let got =
+                    plans_for(model, plans, &o).and_then(|set| make_backend(model, set.body, form));
+                match got {
+                    Ok(b) => {
+                        eprintln!("backend: {}", b.2);
+                        return Ok(b);
+                    }
+                    Err(e) if choice == BackendChoice::Auto => why_cpu = format!("{e:#}"),
+                    Err(e) => return Err(e.context("FLASHPLAN_BACKEND=cuda")),
+                }
+            }
+            Err(why) if choice == BackendChoice::Auto => why_cpu = why,
+            Err(why) => anyhow::bail!("FLASHPLAN_BACKEND=cuda: {why}"),
+        }
+    }
+    eprintln!("backend: running on the CPU backend ({why_cpu})");
+    let mut o = copts.clone();
+    o.arch = flashplan_compiler::default_arch().to_string();
+    let set = plans_for(model, plans, &o)?;
+    make_backend(model, set.body, form)
 }
 
 /// Engine options from the command line and the environment (`FLASHPLAN_COPY_DRAFTS`, `FLASHPLAN_MTP_WEIGHTS`;
@@ -169,6 +264,7 @@ pub fn engine_options(parallel: u32, max_depth: u32) -> anyhow::Result<EngineOpt
 
 /// Checks the environment before anything slow happens.
 pub fn check_env() -> anyhow::Result<()> {
+    backend_choice()?;
     engine_options(1, 1).map(|_| ())
 }
 
@@ -183,13 +279,13 @@ pub fn load(a: &ModelArgs) -> anyhow::Result<Loaded> {
         confidence: a.confidence,
         ..engine_options(a.parallel, a.max_depth)?
     };
-    let mut copts = flashplan_compiler::default_options(backend_arch());
+    let mut copts = flashplan_compiler::default_options(flashplan_compiler::default_arch());
     copts.context = a.context;
     copts.max_depth = a.max_depth.max(1);
-    let set = plans_for(&a.model, a.plans.as_deref(), &copts)?;
     let tokenizer = Tokenizer::from_dir(&a.model)
         .with_context(|| format!("loading the tokenizer of {}", a.model.display()))?;
-    let (backend, has_mtp) = make_backend(&a.model, set.body, eopts.drafter_form)?;
+    let (backend, has_mtp, _) =
+        load_backend(&a.model, a.plans.as_deref(), &copts, eopts.drafter_form)?;
     let name = a
         .model
         .canonicalize()

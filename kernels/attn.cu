@@ -3,6 +3,7 @@
 
 #define ATTN_MAX_HD 512
 #define ATTN_WARPS 8
+#define SA_WARPS 16
 
 // One block per row, one warp per head: q = RoPE(q_norm(q part)), gate copied; k = RoPE(k_norm(k)) and v written
 // to the slot's caches at pos + j.
@@ -73,12 +74,12 @@ extern "C" __global__ void indexer_prep(const FpIndexerPrep p) {
 }
 
 // One block per row: score every complete visible block (pooled key when committed, else computed from the raw
-// keys), keep the top `topk` (score desc, id asc) sorted by block id. Scores live in scratch [rows, nb_max];
+// keys), keep the top `topk` (score desc, id asc) sorted by block id. Scores live in scratch [rows, 2 nb_max];
 // chosen blocks are marked -1 (scores are >= 0).
+#define SEL_SH 4096
 extern "C" __global__ void indexer_select(const FpIndexerSelect p) {
     __shared__ float key[ATTN_WARPS][ATTN_MAX_HD];
-    __shared__ float bv[32];
-    __shared__ u32 bi[32];
+    __shared__ float scs[SEL_SH];
     const FpCommon& c = p.c;
     const u32 R = c.nstreams * c.window;
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -93,14 +94,41 @@ extern "C" __global__ void indexer_select(const FpIndexerSelect p) {
         const float* raw = state_of(c, st.slot, p.raw_keys);
         const float* pooled = state_of(c, st.slot, p.pooled);
         const float* q = fptr(p.q) + (u64)r * p.ih * id;
-        float* sc = fptr(c.scratch) + (u64)r * p.nb_max;
+        float* sc = fptr(c.scratch) + (u64)r * 2 * p.nb_max;
         u32* sel = uptr(p.sel) + (u64)r * p.topk;
         const u32 take = nb < p.topk ? nb : p.topk;
         if (nb <= p.topk) {
             for (u32 i = threadIdx.x; i < p.topk; i += blockDim.x) sel[i] = i < nb ? i : 0xffffffffu;
             continue;
         }
-        for (u32 b = warp; b < nb; b += nw) {
+        // Pooled (committed) blocks: 4 per warp at a time, their dots interleaved (same arithmetic per block: per
+        // head lane-order sum and warp tree, heads summed in order).
+        const u32 ncom = st.committed / p.ratio < nb ? st.committed / p.ratio : nb;
+        for (u32 b0 = warp * 4; b0 < ncom; b0 += nw * 4) {
+            const float* kb[4];
+            float tot[4];
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                kb[u] = pooled + (u64)(b0 + u < ncom ? b0 + u : b0) * id;
+                tot[u] = 0.0f;
+            }
+            for (u32 hh = 0; hh < p.ih; hh++) {
+                const float* qh = q + hh * id;
+                float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                for (u32 i = lane; i < id; i += 32) {
+                    const float qi = qh[i];
+#pragma unroll
+                    for (int u = 0; u < 4; u++) a[u] += qi * kb[u][i];
+                }
+#pragma unroll
+                for (int u = 0; u < 4; u++) tot[u] += fmaxf(warp_sum(a[u]), 0.0f);
+            }
+            if (lane == 0)
+#pragma unroll
+                for (int u = 0; u < 4; u++)
+                    if (b0 + u < ncom) sc[b0 + u] = tot[u] / inv_sqrt;
+        }
+        for (u32 b = ncom + warp; b < nb; b += nw) {
             const float* k;
             if ((b + 1) * p.ratio <= st.committed) {
                 k = pooled + (u64)b * id;
@@ -115,41 +143,28 @@ extern "C" __global__ void indexer_select(const FpIndexerSelect p) {
             __syncwarp();
         }
         __syncthreads();
-        for (u32 t = 0; t < take; t++) {
-            float best = -1.0f;
-            u32 besti = 0xffffffffu;
-            for (u32 b = threadIdx.x; b < nb; b += blockDim.x) {
-                const float v = sc[b];
-                if (v > best) {
-                    best = v;
-                    besti = b;
-                }
+        // Top-take by rank: block b is selected when fewer than `take` blocks beat it (higher score, or equal score
+        // and lower index) -- the same set as repeated argmax with lowest-index ties, in O(nb^2 / threads) with
+        // no serial rounds. Ranks go to the second half of the row's scratch, then the marks into sc.
+        float* rk = sc + p.nb_max;
+        const bool in_sh = nb <= SEL_SH;
+        if (in_sh)
+            for (u32 b = threadIdx.x; b < nb; b += blockDim.x) scs[b] = sc[b];
+        __syncthreads();
+        const float* sv = in_sh ? scs : sc;
+        for (u32 b = threadIdx.x; b < nb; b += blockDim.x) {
+            const float v = sv[b];
+            u32 beat = 0;
+            for (u32 q = 0; q < nb; q++) {
+                const float u = sv[q];
+                beat += (u > v || (u == v && q < b)) ? 1u : 0u;
             }
-            for (int o = 16; o > 0; o >>= 1) {
-                const float ov = __shfl_xor_sync(FULL_MASK, best, o);
-                const u32 oi = __shfl_xor_sync(FULL_MASK, besti, o);
-                if (ov > best || (ov == best && oi < besti)) {
-                    best = ov;
-                    besti = oi;
-                }
-            }
-            if (lane == 0) {
-                bv[warp] = best;
-                bi[warp] = besti;
-            }
-            __syncthreads();
-            if (threadIdx.x == 0) {
-                float b0 = bv[0];
-                u32 i0 = bi[0];
-                for (u32 w = 1; w < nw; w++)
-                    if (bv[w] > b0 || (bv[w] == b0 && bi[w] < i0)) {
-                        b0 = bv[w];
-                        i0 = bi[w];
-                    }
-                if (i0 != 0xffffffffu) sc[i0] = -1.0f;
-            }
-            __syncthreads();
+            rk[b] = beat < take ? 1.0f : 0.0f;
         }
+        __syncthreads();
+        for (u32 b = threadIdx.x; b < nb; b += blockDim.x)
+            if (rk[b] > 0.5f) sc[b] = -1.0f;
+        __syncthreads();
         if (threadIdx.x == 0) {
             u32 n = 0;
             for (u32 b = 0; b < nb && n < take; b++)
@@ -164,6 +179,7 @@ extern "C" __global__ void indexer_select(const FpIndexerSelect p) {
 // Scores in scratch [rows * heads, max_tokens].
 extern "C" __global__ void sparse_attn(const FpSparseAttn p) {
     __shared__ float sh[32];
+    __shared__ float part[SA_WARPS][ATTN_MAX_HD];
     const FpCommon& c = p.c;
     const u32 R = c.nstreams * c.window;
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -188,9 +204,26 @@ extern "C" __global__ void sparse_attn(const FpSparseAttn p) {
         const float* q = fptr(p.q) + (u64)r * p.heads * hd + hh * hd;
         float* sc = fptr(c.scratch) + ((u64)r * p.heads + hh) * p.max_tokens;
 #define TOK(m) ((m) < nsel * p.ratio ? sel[(m) / p.ratio] * p.ratio + (m) % p.ratio : nb * p.ratio + (m) - nsel * p.ratio)
-        for (u32 m = warp; m < nt; m += nw) {
-            const float d = warp_dot_f(q, kc + (u64)TOK(m) * w + kv * hd, hd, lane);
-            if (lane == 0) sc[m] = d * scale;
+        // Scores: warp w takes tokens 4w.., 4 at a time (independent dots in flight); each dot is the same lane
+        // order and warp tree whatever the grouping.
+        for (u32 m0 = warp * 4; m0 < nt; m0 += nw * 4) {
+            const float* kr[4];
+            float acc[4];
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                kr[u] = kc + (u64)TOK(m0 + u < nt ? m0 + u : m0) * w + kv * hd;
+                acc[u] = 0.0f;
+            }
+            for (u32 i = lane; i < hd; i += 32) {
+                const float qi = q[i];
+#pragma unroll
+                for (int u = 0; u < 4; u++) acc[u] = fmaf(qi, kr[u][i], acc[u]);
+            }
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                const float d = warp_sum(acc[u]);
+                if (lane == 0 && m0 + u < nt) sc[m0 + u] = d * scale;
+            }
         }
         __syncthreads();
         float mx = -INFINITY;
@@ -203,9 +236,30 @@ extern "C" __global__ void sparse_attn(const FpSparseAttn p) {
             z += e;
         }
         z = block_sum(z, sh);
+        // P.V: warp w takes tokens m = w, w + nw, ... (lane per value column), partials summed over warps in order.
+        {
+            float o[ATTN_MAX_HD / 32];
+#pragma unroll
+            for (int kd = 0; kd < ATTN_MAX_HD / 32; kd++) o[kd] = 0.0f;
+            for (u32 m = warp; m < nt; m += nw) {
+                const float pm = sc[m] / z;
+                const float* vr = vc + (u64)TOK(m) * w + kv * hd;
+#pragma unroll
+                for (int kd = 0; kd < ATTN_MAX_HD / 32; kd++) {
+                    const u32 d = lane + 32 * kd;
+                    if (d < hd) o[kd] += pm * vr[d];
+                }
+            }
+#pragma unroll
+            for (int kd = 0; kd < ATTN_MAX_HD / 32; kd++) {
+                const u32 d = lane + 32 * kd;
+                if (d < hd) part[warp][d] = o[kd];
+            }
+        }
+        __syncthreads();
         for (u32 d = threadIdx.x; d < hd; d += blockDim.x) {
             float o = 0.0f;
-            for (u32 m = 0; m < nt; m++) o += (sc[m] / z) * vc[(u64)TOK(m) * w + kv * hd + d];
+            for (u32 ww = 0; ww < nw; ww++) o += part[ww][d];
             const u64 oi = (u64)r * p.heads * hd + hh * hd + d;
             fptr(p.out)[oi] = o * sigmoidf_(fptr(p.gate)[oi]);
         }

@@ -160,3 +160,125 @@ DEV void block_key_warp(const float* raw, u32 b, u32 id, u32 ratio, u64 kn, floa
     rms_warp(key, kn, key, id, eps, lane);
     rope_warp(key, inv_freq, half, b * ratio, af, lane);
 }
+
+// ---- Bandwidth helpers for decode-shaped matrix-vector work (linear, moe, hc_read) ----
+// 16-byte streaming load of weights (read once per replay: no L1 allocation).
+DEV uint4 ldg_stream16(const void* p) {
+    uint4 r;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p));
+    return r;
+}
+DEV uint4 zero4() {
+    uint4 z;
+    z.x = z.y = z.z = z.w = 0u;
+    return z;
+}
+// Eight f32 activations (vector loads when `vec`: 16-byte aligned).
+DEV void load_x8(const float* p, bool vec, float* x) {
+    if (vec) {
+        const float4 a = *(const float4*)p, b = *(const float4*)(p + 4);
+        x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
+        x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
+    } else {
+#pragma unroll
+        for (int e = 0; e < 8; e++) x[e] = p[e];
+    }
+}
+// Fixed-order dot of 8: w0 x0, then fused multiply-adds in order (explicit fmaf: no contraction choices).
+DEV float dot8(const float* w, const float* x) {
+    float s = w[0] * x[0];
+#pragma unroll
+    for (int e = 1; e < 8; e++) s = fmaf(w[e], x[e], s);
+    return s;
+}
+// Whether row r (or stream r when gathered) is real.
+DEV bool row_ok(const FpCommon& c, u32 r, bool gathered) {
+    if (gathered) return stream_of(c, r).rows > 0;
+    u32 s, j;
+    return real_row(c, r, s, j);
+}
+
+// res[m][t] = dot(w[m][0..K), X[t * xs ..][0..K)) for NPW weight rows (m < nm) and T activation rows (ok[t]), by
+// one warp. Vector path (K % 8 == 0, weights 16-byte aligned): lane l takes the chunks of 8 at l*8 + 256 j, U chunks
+// of every weight row in flight at a time; per (m, t) the lane sums its chunks in ascending k (dot8 each), then a
+// fixed warp tree. The arithmetic of one (m, t) never depends on T, NPW, nm or the other rows: row invariance.
+template <int T, int NPW, int U>
+DEV void warp_dots(const bf16_t* const* w, u32 nm, const float* X, u64 xs, const bool* ok, u32 K, bool wvec,
+                   u32 lane, float (&res)[NPW][T]) {
+    float acc[NPW][T];
+#pragma unroll
+    for (int m = 0; m < NPW; m++)
+#pragma unroll
+        for (int t = 0; t < T; t++) acc[m][t] = 0.0f;
+    if (wvec) {
+        const bool xvec = ((((u64)X) | (xs * 4)) & 15) == 0;
+        for (u32 kb = lane * 8; kb < K; kb += 256 * U) {
+            uint4 wv[U][NPW];
+#pragma unroll
+            for (int u = 0; u < U; u++)
+#pragma unroll
+                for (int m = 0; m < NPW; m++) {
+                    const u32 kk = kb + u * 256;
+                    wv[u][m] = ((u32)m < nm && kk < K) ? ldg_stream16(w[m] + kk) : zero4();
+                }
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                const u32 kk = kb + u * 256;
+                if (kk < K) {
+                    float f[NPW][8];
+#pragma unroll
+                    for (int m = 0; m < NPW; m++) unpack8(wv[u][m], f[m]);
+#pragma unroll
+                    for (int t = 0; t < T; t++) {
+                        if (!ok[t]) continue;
+                        float x[8];
+                        load_x8(X + (u64)t * xs + kk, xvec, x);
+#pragma unroll
+                        for (int m = 0; m < NPW; m++) acc[m][t] += dot8(f[m], x);
+                    }
+                }
+            }
+        }
+    } else {
+        for (u32 kk = lane; kk < K; kk += 32) {
+#pragma unroll
+            for (int m = 0; m < NPW; m++) {
+                if ((u32)m >= nm) continue;
+                const float wv = bf2f(w[m][kk]);
+#pragma unroll
+                for (int t = 0; t < T; t++)
+                    if (ok[t]) acc[m][t] = fmaf(wv, X[(u64)t * xs + kk], acc[m][t]);
+            }
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < NPW; m++)
+#pragma unroll
+        for (int t = 0; t < T; t++) res[m][t] = warp_sum(acc[m][t]);
+}
+
+// Sum over the 8 lanes of a lane group (lanes 8g..8g+7), fixed tree; every lane of the group gets it.
+DEV float group8_sum(float v) {
+    v += __shfl_xor_sync(FULL_MASK, v, 4);
+    v += __shfl_xor_sync(FULL_MASK, v, 2);
+    v += __shfl_xor_sync(FULL_MASK, v, 1);
+    return v;
+}
+
+// Row-tile dispatch: calls F<T> with T the smallest of 1, 2, 4, 8, 16 covering `total` (16 beyond).
+#define DISPATCH_T(total, CALL)          \
+    do {                                 \
+        if ((total) <= 1) {              \
+            CALL(1);                     \
+        } else if ((total) <= 2) {       \
+            CALL(2);                     \
+        } else if ((total) <= 4) {       \
+            CALL(4);                     \
+        } else if ((total) <= 8) {       \
+            CALL(8);                     \
+        } else {                         \
+            CALL(16);                    \
+        }                                \
+    } while (0)

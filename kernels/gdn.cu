@@ -1,7 +1,8 @@
 // GatedDeltaNet: gdn_conv (causal depthwise conv + SiLU), gdn_recur (recurrence over the window from the slot's
 // state, state untouched), gdn_commit (replays the kept rows into the state with the same update, and shifts the
 // conv state). The recurrent state of one value head is [dk, dv]; thread e of the head's block owns column e in
-// registers (dk <= GDN_MAX_DK), so the update order per element is the reference's (i ascending).
+// registers (dk <= GDN_MAX_DK), so the update order per element is the reference's (i ascending). recur and commit
+// run as blocks (value head, stream, tile of 32 columns): 4x more blocks than heads.
 #include "common.cuh"
 
 #define GDN_MAX_DK 128
@@ -54,8 +55,9 @@ extern "C" __global__ void gdn_recur(const FpGdnRecur p) {
     const u32 h = blockIdx.x, s = blockIdx.y;
     if (h >= p.hv || s >= c.nstreams) return;
     const FpStream& st = stream_of(c, s);
-    const u32 e = threadIdx.x;
+    const u32 e = blockIdx.z * blockDim.x + threadIdx.x;
     const bool own = e < p.dv;
+    const bool lead = blockIdx.z == 0;
     const u32 kh = h / (p.hv / p.hk);
     const u32 ch = 2 * p.hk * p.dk + p.hv * p.dv;
     const u32 sw = p.hk * p.dk + p.hv * p.dv + 2 * p.hv;
@@ -96,9 +98,9 @@ extern "C" __global__ void gdn_recur(const FpGdnRecur p) {
             fptr(p.out)[r * p.hv * p.dv + h * p.dv + e] = o;
             srow[p.hk * p.dk + h * p.dv + e] = v;
         }
-        if (h % (p.hv / p.hk) == 0)
+        if (lead && h % (p.hv / p.hk) == 0)
             for (u32 i = threadIdx.x; i < p.dk; i += blockDim.x) srow[kh * p.dk + i] = ks[i];
-        if (threadIdx.x == 0) {
+        if (lead && threadIdx.x == 0) {
             srow[p.hk * p.dk + p.hv * p.dv + h] = g;
             srow[p.hk * p.dk + p.hv * p.dv + p.hv + h] = beta;
         }
@@ -114,7 +116,7 @@ extern "C" __global__ void gdn_commit(const FpGdnCommit p) {
     if (h >= p.hv || s >= c.nstreams) return;
     const FpStream& st = stream_of(c, s);
     const u32 k = keep_of(c, p.keep, s);
-    const u32 e = threadIdx.x;
+    const u32 e = blockIdx.z * blockDim.x + threadIdx.x;
     const u32 kh = h / (p.hv / p.hk);
     const u32 sw = p.hk * p.dk + p.hv * p.dv + 2 * p.hv;
     const u64 dkdv = (u64)p.dk * p.dv;
@@ -133,6 +135,7 @@ extern "C" __global__ void gdn_commit(const FpGdnCommit p) {
         for (u32 i = 0; i < GDN_MAX_DK; i++)
             if (i < p.dk) state[(u64)i * p.dv + e] = S[i];
     }
+    if (blockIdx.z != 0) return;
     float* conv = state_of(c, st.slot, p.conv);
     const u32 K1 = p.kernel - 1;
     for (u32 chn = h * blockDim.x + threadIdx.x; chn < p.channels; chn += p.hv * blockDim.x) {

@@ -1,115 +1,292 @@
-// Mixture of experts: router (f32 logits, softmax, top-k, renormalised), experts (routed SwiGLU experts summed in
-// rank order), shared_expert (sigmoid-gated SwiGLU added to out). One block per row; the routed experts are
-// chosen on the device, so one graph serves any routing.
+// Mixture of experts, each op in two launches (the runtime launches both for one node):
+// - router (logits of every row into scratch [rows, experts], warp per MOE_NPW experts, all rows) then router_topk
+//   (warp per row: softmax, top-k by repeated warp argmax, lowest index on ties, renormalised in rank order);
+// - experts (warp per (row, rank, pair of intermediate features): silu(gate x) * up x into scratch) then
+//   experts_down (warp per (row, output feature): four groups of 8 lanes take the ranks, summed in rank order);
+// - shared_expert (warp per intermediate feature, all rows; the sigmoid gate by one more warp) then
+//   shared_expert_down (warp per 2 output features, all rows; out += gate * down).
+// The routed experts are chosen on the device, so one graph serves any routing. Every value's reduction order is
+// fixed by the kernel (lane order, fixed trees, ranks in order): row invariant.
 #include "common.cuh"
 
 #define MOE_MAX_EXPERTS 1024
 #define MOE_MAX_TOPK 32
+#define MOE_NPW 2
 
-extern "C" __global__ void router(const FpRouter p) {
-    __shared__ float prob[MOE_MAX_EXPERTS];
-    __shared__ u32 top[MOE_MAX_TOPK];
+template <int T>
+DEV void router_t(const FpRouter& p, u32 R) {
     const FpCommon& c = p.c;
-    const u32 R = c.nstreams * c.window;
-    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    for (u32 r = blockIdx.x; r < R; r += gridDim.x) {
-        u32 s, j;
-        if (!real_row(c, r, s, j)) continue;
-        const float* x = fptr(p.x) + (u64)r * p.dim;
-        for (u32 e = warp; e < p.experts; e += nw) {
-            const float l = warp_dot((const bf16_t*)p.gate + (u64)e * p.dim, x, p.dim, lane);
-            if (lane == 0) prob[e] = l;
+    const u32 lane = threadIdx.x & 31;
+    const u32 gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const u32 nwarps = (gridDim.x * blockDim.x) >> 5;
+    const bool wvec = (p.dim & 7) == 0 && (p.gate & 15) == 0;
+    float* L = fptr(c.scratch);
+    for (u32 e0 = gw * MOE_NPW; e0 < p.experts; e0 += nwarps * MOE_NPW) {
+        const u32 nm = p.experts - e0 < MOE_NPW ? p.experts - e0 : MOE_NPW;
+        const bf16_t* w[MOE_NPW];
+#pragma unroll
+        for (int m = 0; m < MOE_NPW; m++)
+            w[m] = (const bf16_t*)p.gate + (u64)(e0 + ((u32)m < nm ? m : 0)) * p.dim;
+        for (u32 i0 = 0; i0 < R; i0 += T) {
+            bool ok[T];
+#pragma unroll
+            for (int t = 0; t < T; t++) ok[t] = i0 + t < R && row_ok(c, i0 + t, false);
+            float res[MOE_NPW][T];
+            warp_dots<T, MOE_NPW, 4>(w, nm, fptr(p.x) + (u64)i0 * p.dim, p.dim, ok, p.dim, wvec, lane, res);
+            if (lane == 0)
+#pragma unroll
+                for (int m = 0; m < MOE_NPW; m++)
+#pragma unroll
+                    for (int t = 0; t < T; t++)
+                        if ((u32)m < nm && ok[t]) L[(u64)(i0 + t) * p.experts + e0 + m] = res[m][t];
         }
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            float m = -INFINITY;
-            for (u32 e = 0; e < p.experts; e++) m = fmaxf(m, prob[e]);
-            float z = 0.0f;
-            for (u32 e = 0; e < p.experts; e++) {
-                prob[e] = expf(prob[e] - m);
-                z += prob[e];
-            }
-            for (u32 e = 0; e < p.experts; e++) prob[e] = prob[e] / z;
-            float sum = 0.0f;
-            for (u32 t = 0; t < p.topk; t++) {
-                u32 best = 0xffffffffu;
-                for (u32 e = 0; e < p.experts; e++) {
-                    bool taken = false;
-                    for (u32 u = 0; u < t; u++) taken |= top[u] == e;
-                    if (taken) continue;
-                    if (best == 0xffffffffu || prob[e] > prob[best]) best = e;
-                }
-                top[t] = best;
-                sum += prob[best];
-            }
-            for (u32 t = 0; t < p.topk; t++) {
-                uptr(p.ids)[(u64)r * p.topk + t] = top[t];
-                fptr(p.weights)[(u64)r * p.topk + t] = p.norm ? prob[top[t]] / sum : prob[top[t]];
-            }
-        }
-        __syncthreads();
     }
 }
 
-// out[r] = sum over rank i (in order) of weights[r, i] * down_e(silu(gate_e x) * up_e x); hidden in scratch.
+extern "C" __global__ void router(const FpRouter p) {
+    const u32 R = p.c.nstreams * p.c.window;
+#define ROUTER_CALL(T) router_t<T>(p, R)
+    DISPATCH_T(R, ROUTER_CALL);
+#undef ROUTER_CALL
+}
+
+// Warp per row over the logits in scratch: lane l holds experts l + 32 j.
+extern "C" __global__ void router_topk(const FpRouter p) {
+    const FpCommon& c = p.c;
+    const u32 R = c.nstreams * c.window;
+    const u32 lane = threadIdx.x & 31;
+    const u32 gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const u32 nwarps = (gridDim.x * blockDim.x) >> 5;
+    const u32 E = p.experts;
+    for (u32 r = gw; r < R; r += nwarps) {
+        if (!row_ok(c, r, false)) continue;
+        const float* L = fptr(c.scratch) + (u64)r * E;
+        float v[MOE_MAX_EXPERTS / 32];
+        float m = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < MOE_MAX_EXPERTS / 32; j++) {
+            const u32 e = lane + 32 * j;
+            v[j] = e < E ? L[e] : -INFINITY;
+            m = fmaxf(m, v[j]);
+        }
+        m = warp_max(m);
+        float z = 0.0f;
+#pragma unroll
+        for (int j = 0; j < MOE_MAX_EXPERTS / 32; j++) {
+            const u32 e = lane + 32 * j;
+            if (e < E) {
+                v[j] = expf(v[j] - m);
+                z += v[j];
+            }
+        }
+        z = warp_sum(z);
+#pragma unroll
+        for (int j = 0; j < MOE_MAX_EXPERTS / 32; j++) v[j] = v[j] / z;
+        float sum = 0.0f;
+        float tp[MOE_MAX_TOPK];
+        u32 ti[MOE_MAX_TOPK];
+#pragma unroll
+        for (int t = 0; t < MOE_MAX_TOPK; t++) {
+            if ((u32)t >= p.topk) break;
+            float bv = -1.5f;
+            u32 bi = 0xffffffffu;
+#pragma unroll
+            for (int j = 0; j < MOE_MAX_EXPERTS / 32; j++) {
+                const u32 e = lane + 32 * j;
+                if (e < E && v[j] > bv) {
+                    bv = v[j];
+                    bi = e;
+                }
+            }
+            for (int o = 16; o > 0; o >>= 1) {
+                const float ov = __shfl_xor_sync(FULL_MASK, bv, o);
+                const u32 oi = __shfl_xor_sync(FULL_MASK, bi, o);
+                if (ov > bv || (ov == bv && oi < bi)) {
+                    bv = ov;
+                    bi = oi;
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < MOE_MAX_EXPERTS / 32; j++)
+                if (lane + 32 * j == bi) v[j] = -2.0f;
+            tp[t] = bv;
+            ti[t] = bi;
+            sum += bv;
+        }
+        if (lane == 0) {
+#pragma unroll
+            for (int t = 0; t < MOE_MAX_TOPK; t++) {
+                if ((u32)t >= p.topk) break;
+                uptr(p.ids)[(u64)r * p.topk + t] = ti[t];
+                fptr(p.weights)[(u64)r * p.topk + t] = p.norm ? tp[t] / sum : tp[t];
+            }
+        }
+    }
+}
+
+// hid[r, i, q] = silu(gate_e x_r) * (up_e x_r), e = ids[r, i]; warp per (r, i, pair of q).
 extern "C" __global__ void experts(const FpExperts p) {
     const FpCommon& c = p.c;
     const u32 R = c.nstreams * c.window;
-    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const u32 lane = threadIdx.x & 31;
+    const u32 gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const u32 nwarps = (gridDim.x * blockDim.x) >> 5;
     const u32 D = p.dim, I = p.inter;
-    for (u32 r = blockIdx.x; r < R; r += gridDim.x) {
-        u32 s, j;
-        if (!real_row(c, r, s, j)) continue;
-        const float* x = fptr(p.x) + (u64)r * D;
-        float* hid = fptr(c.scratch) + (u64)r * p.topk * I;
-        const u32* ids = uptr(p.ids) + (u64)r * p.topk;
-        for (u32 w = warp; w < p.topk * I; w += nw) {
-            const u32 i = w / I, q = w % I;
-            const bf16_t* gu = (const bf16_t*)p.gate_up + (u64)ids[i] * 2 * I * D;
-            const float g = warp_dot(gu + (u64)q * D, x, D, lane);
-            const float u = warp_dot(gu + (u64)(I + q) * D, x, D, lane);
-            if (lane == 0) hid[w] = siluf_(g) * u;
+    const u32 pairs = (I + 1) / 2;
+    const u64 items = (u64)R * p.topk * pairs;
+    const bool wvec = (D & 7) == 0 && (p.gate_up & 15) == 0;
+    for (u64 it = gw; it < items; it += nwarps) {
+        const u32 r = (u32)(it / ((u64)p.topk * pairs));
+        const u32 rest = (u32)(it % ((u64)p.topk * pairs));
+        const u32 i = rest / pairs, q0 = (rest % pairs) * 2;
+        if (!row_ok(c, r, false)) continue;
+        const u32 e = uptr(p.ids)[(u64)r * p.topk + i];
+        const bf16_t* gu = (const bf16_t*)p.gate_up + (u64)e * 2 * I * D;
+        const u32 q1 = q0 + 1 < I ? q0 + 1 : q0;
+        const bf16_t* w[4] = {gu + (u64)q0 * D, gu + (u64)(I + q0) * D, gu + (u64)q1 * D, gu + (u64)(I + q1) * D};
+        const bool ok[1] = {true};
+        float res[4][1];
+        warp_dots<1, 4, 2>(w, 4, fptr(p.x) + (u64)r * D, D, ok, D, wvec, lane, res);
+        float* hid = fptr(c.scratch) + ((u64)r * p.topk + i) * I;
+        if (lane == 0) {
+            hid[q0] = siluf_(res[0][0]) * res[1][0];
+            if (q0 + 1 < I) hid[q0 + 1] = siluf_(res[2][0]) * res[3][0];
         }
-        __syncthreads();
-        for (u32 d = warp; d < D; d += nw) {
-            float acc = 0.0f;
-            for (u32 i = 0; i < p.topk; i++) {
-                const bf16_t* dn = (const bf16_t*)p.down + (u64)ids[i] * D * I + (u64)d * I;
-                const float t = warp_dot(dn, hid + (u64)i * I, I, lane);
-                acc += fptr(p.weights)[(u64)r * p.topk + i] * t;
-            }
-            if (lane == 0) fptr(p.out)[(u64)r * D + d] = acc;
-        }
-        __syncthreads();
     }
 }
 
-// out[r] += sigmoid(scale . x) * down(silu(gate x) * up x); hidden in scratch [rows, inter].
-extern "C" __global__ void shared_expert(const FpSharedExpert p) {
-    __shared__ float sg;
+// out[r, d] = sum over ranks i in order of weights[r, i] * down_e[d] . hid[r, i]; warp per (r, d), lane group g
+// (8 lanes) takes ranks g, g + 4, ...
+extern "C" __global__ void experts_down(const FpExperts p) {
     const FpCommon& c = p.c;
     const u32 R = c.nstreams * c.window;
-    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const u32 lane = threadIdx.x & 31, g = lane >> 3, l8 = lane & 7;
+    const u32 gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const u32 nwarps = (gridDim.x * blockDim.x) >> 5;
     const u32 D = p.dim, I = p.inter;
-    for (u32 r = blockIdx.x; r < R; r += gridDim.x) {
-        u32 s, j;
-        if (!real_row(c, r, s, j)) continue;
-        const float* x = fptr(p.x) + (u64)r * D;
-        float* hid = fptr(c.scratch) + (u64)r * I;
-        for (u32 q = warp; q < I; q += nw) {
-            const float g = warp_dot((const bf16_t*)p.gate + (u64)q * D, x, D, lane);
-            const float u = warp_dot((const bf16_t*)p.up + (u64)q * D, x, D, lane);
-            if (lane == 0) hid[q] = siluf_(g) * u;
+    const u64 items = (u64)R * D;
+    const bool vec = (I & 7) == 0 && (p.down & 15) == 0;
+    for (u64 it = gw; it < items; it += nwarps) {
+        const u32 r = (u32)(it / D), d = (u32)(it % D);
+        if (!row_ok(c, r, false)) continue;
+        const u32* ids = uptr(p.ids) + (u64)r * p.topk;
+        float part[MOE_MAX_TOPK / 4];
+#pragma unroll
+        for (int j = 0; j < MOE_MAX_TOPK / 4; j++) {
+            const u32 i = g + 4 * j;
+            float acc = 0.0f;
+            if (i < p.topk) {
+                const bf16_t* dn = (const bf16_t*)p.down + (u64)ids[i] * D * I + (u64)d * I;
+                const float* h = fptr(c.scratch) + ((u64)r * p.topk + i) * I;
+                if (vec) {
+                    for (u32 kk = l8 * 8; kk < I; kk += 64) {
+                        float f[8], x[8];
+                        unpack8(ldg_stream16(dn + kk), f);
+                        load_x8(h + kk, (I & 3) == 0, x);
+                        acc += dot8(f, x);
+                    }
+                } else {
+                    for (u32 kk = l8; kk < I; kk += 8) acc = fmaf(bf2f(dn[kk]), h[kk], acc);
+                }
+            }
+            part[j] = group8_sum(acc);
         }
-        if (warp == 0) {
-            const float t = warp_dot((const bf16_t*)p.scale, x, D, lane);
-            if (lane == 0) sg = sigmoidf_(t);
-        }
-        __syncthreads();
-        for (u32 d = warp; d < D; d += nw) {
-            const float t = warp_dot((const bf16_t*)p.down + (u64)d * I, hid, I, lane);
-            if (lane == 0) fptr(p.out)[(u64)r * D + d] += sg * t;
-        }
-        __syncthreads();
+        float out = 0.0f;
+#pragma unroll
+        for (int j = 0; j < MOE_MAX_TOPK / 4; j++)
+#pragma unroll
+            for (int gg = 0; gg < 4; gg++) {
+                const float t = __shfl_sync(FULL_MASK, part[j], gg * 8);
+                const u32 i = gg + 4 * j;
+                if (i < p.topk) out += fptr(p.weights)[(u64)r * p.topk + i] * t;
+            }
+        if (lane == 0) fptr(p.out)[(u64)r * D + d] = out;
     }
+}
+
+// hid[r, q] = silu(gate_q . x_r) * (up_q . x_r) (warp per q, all rows); warp q == inter: sg[r] = sigmoid(scale . x_r)
+// at scratch[R * inter + r].
+template <int T>
+DEV void shared_t(const FpSharedExpert& p, u32 R) {
+    const FpCommon& c = p.c;
+    const u32 lane = threadIdx.x & 31;
+    const u32 gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const u32 nwarps = (gridDim.x * blockDim.x) >> 5;
+    const u32 D = p.dim, I = p.inter;
+    const bool wvec = (D & 7) == 0 && (p.gate & 15) == 0 && (p.up & 15) == 0 && (p.scale & 15) == 0;
+    float* S = fptr(c.scratch);
+    for (u32 q = gw; q <= I; q += nwarps) {
+        const bf16_t* w[2];
+        u32 nm = 2;
+        if (q < I) {
+            w[0] = (const bf16_t*)p.gate + (u64)q * D;
+            w[1] = (const bf16_t*)p.up + (u64)q * D;
+        } else {
+            w[0] = w[1] = (const bf16_t*)p.scale;
+            nm = 1;
+        }
+        for (u32 i0 = 0; i0 < R; i0 += T) {
+            bool ok[T];
+#pragma unroll
+            for (int t = 0; t < T; t++) ok[t] = i0 + t < R && row_ok(c, i0 + t, false);
+            float res[2][T];
+            warp_dots<T, 2, 2>(w, nm, fptr(p.x) + (u64)i0 * D, D, ok, D, wvec, lane, res);
+            if (lane == 0)
+#pragma unroll
+                for (int t = 0; t < T; t++) {
+                    if (!ok[t]) continue;
+                    if (q < I)
+                        S[(u64)(i0 + t) * I + q] = siluf_(res[0][t]) * res[1][t];
+                    else
+                        S[(u64)R * I + i0 + t] = sigmoidf_(res[0][t]);
+                }
+        }
+    }
+}
+
+extern "C" __global__ void shared_expert(const FpSharedExpert p) {
+    const u32 R = p.c.nstreams * p.c.window;
+#define SH_CALL(T) shared_t<T>(p, R)
+    DISPATCH_T(R, SH_CALL);
+#undef SH_CALL
+}
+
+// out[r, d] += sg[r] * (down_d . hid[r]); warp per 2 features d, all rows.
+template <int T>
+DEV void shared_down_t(const FpSharedExpert& p, u32 R) {
+    const FpCommon& c = p.c;
+    const u32 lane = threadIdx.x & 31;
+    const u32 gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const u32 nwarps = (gridDim.x * blockDim.x) >> 5;
+    const u32 D = p.dim, I = p.inter;
+    const bool wvec = (I & 7) == 0 && (p.down & 15) == 0;
+    const float* S = fptr(c.scratch);
+    for (u32 d0 = gw * 2; d0 < D; d0 += nwarps * 2) {
+        const u32 nm = D - d0 < 2 ? D - d0 : 2;
+        const bf16_t* w[2] = {(const bf16_t*)p.down + (u64)d0 * I,
+                              (const bf16_t*)p.down + (u64)(d0 + (nm > 1 ? 1 : 0)) * I};
+        for (u32 i0 = 0; i0 < R; i0 += T) {
+            bool ok[T];
+#pragma unroll
+            for (int t = 0; t < T; t++) ok[t] = i0 + t < R && row_ok(c, i0 + t, false);
+            float res[2][T];
+            warp_dots<T, 2, 2>(w, nm, S + (u64)i0 * I, I, ok, I, wvec, lane, res);
+            if (lane == 0)
+#pragma unroll
+                for (int m = 0; m < 2; m++)
+#pragma unroll
+                    for (int t = 0; t < T; t++) {
+                        if ((u32)m >= nm || !ok[t]) continue;
+                        const float sg = S[(u64)R * I + i0 + t];
+                        fptr(p.out)[(u64)(i0 + t) * D + d0 + m] += sg * res[m][t];
+                    }
+        }
+    }
+}
+
+extern "C" __global__ void shared_expert_down(const FpSharedExpert p) {
+    const u32 R = p.c.nstreams * p.c.window;
+#define SHD_CALL(T) shared_down_t<T>(p, R)
+    DISPATCH_T(R, SHD_CALL);
+#undef SHD_CALL
 }

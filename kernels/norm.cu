@@ -50,67 +50,212 @@ extern "C" __global__ void gated_norm(const FpGatedNorm p) {
     }
 }
 
-// Hyper-connection read of one row: Hn = grouped RMSNorm(H, hc_norm) (recomputed from H where needed),
-// lo = silu(W_down Hn / C), a[d] = mean_c sigmoid(W_up lo)[c*D+d] * Hn[c*D+d], inj[c] = 2 sigmoid(W_inj[c].Hn / C).
-extern "C" __global__ void hc_read(const FpHcRead p) {
-    __shared__ float sh[32];
-    __shared__ float inv[HC_MAX];
-    __shared__ float lo[HC_RANK_MAX];
+// Hyper-connection read in two launches. Hn = grouped RMSNorm(H, hc_norm); lo = silu(W_down Hn / C),
+// a[d] = mean_c sigmoid(W_up lo)[c*D+d] * Hn[c*D+d], inj[c] = 2 sigmoid(W_inj[c].Hn / C).
+// hc_read: block per HC_QB outputs of [W_down; W_inj] for every row. The inverse norms factor out of the dot:
+// W.Hn = sum_c inv[c] * P[c] with P[c] = sum_{i in group c} W[i] H[i] (1 + w_norm[i]); the block's warps take fixed
+// slices of the groups (spg slices per group), accumulate P and sum(H^2) per slice for every row, and the slices
+// are combined in order. lo goes to scratch [rows, rank], inv to scratch [rows, hc] after it (block 0).
+// hc_read_mix: warp per output d, lane group g (8 lanes) per hyper-connection c = g, g + 4, ...: sigmoid(up . lo)
+// times Hn, summed over c in order.
+#define HC_QB 2
+#define HC_NW 8
+
+template <int T>
+DEV void hc_read_t(const FpHcRead& p, u32 nrows) {
+    __shared__ float sp[HC_MAX][HC_QB][T];
+    __shared__ float ss[HC_MAX][T];
     const FpCommon& c = p.c;
-    const u32 nrows = p.gathered ? c.nstreams : c.nstreams * c.window;
     const u32 W = p.dim * p.hc;
-    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    for (u32 r = blockIdx.x; r < nrows; r += gridDim.x) {
-        u32 s, j;
-        if (p.gathered) {
-            if (stream_of(c, r).rows == 0) continue;
-        } else if (!real_row(c, r, s, j)) {
-            continue;
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 nout = p.rank + (p.inject ? p.hc : 0);
+    const u32 spg = HC_NW / p.hc > 0 ? HC_NW / p.hc : 1;
+    const u32 slice = ((p.dim + spg - 1) / spg + 7) / 8 * 8;
+    const bool vec = (p.dim & 7) == 0 && (p.down & 15) == 0 && (p.inject & 15) == 0 && (p.norm & 15) == 0;
+    float* lo = fptr(c.scratch);
+    float* invs = lo + (u64)nrows * p.rank;
+    for (u32 q0 = blockIdx.x * HC_QB; q0 < nout; q0 += gridDim.x * HC_QB) {
+        const bf16_t* w[HC_QB];
+#pragma unroll
+        for (int m = 0; m < HC_QB; m++) {
+            const u32 q = q0 + m < nout ? q0 + m : q0;
+            w[m] = q < p.rank ? (const bf16_t*)p.down + (u64)q * W : (const bf16_t*)p.inject + (u64)(q - p.rank) * W;
         }
-        const float* H = fptr(p.h) + (u64)r * W;
-        for (u32 cc = 0; cc < p.hc; cc++) {
-            float ss = 0.0f;
-            for (u32 d = threadIdx.x; d < p.dim; d += blockDim.x) ss += H[cc * p.dim + d] * H[cc * p.dim + d];
-            ss = block_sum(ss, sh);
-            if (threadIdx.x == 0) inv[cc] = 1.0f / sqrtf(ss / (float)p.dim + p.eps);
-        }
-        __syncthreads();
-        // lo: one warp per rank output, over Hn computed on the fly.
-        for (u32 q = warp; q < p.rank; q += nw) {
-            const bf16_t* wr = (const bf16_t*)p.down + (u64)q * W;
-            float acc = 0.0f;
-            for (u32 i = lane; i < W; i += 32) {
-                const float hn = H[i] * inv[i / p.dim] * (1.0f + bfw(p.norm, i));
-                acc += bf2f(wr[i]) * hn;
-            }
-            acc = warp_sum(acc);
-            if (lane == 0) lo[q] = siluf_(acc / (float)p.hc);
-        }
-        __syncthreads();
-        for (u32 d = threadIdx.x; d < p.dim; d += blockDim.x) {
-            float a = 0.0f;
-            for (u32 cc = 0; cc < p.hc; cc++) {
-                const u32 i = cc * p.dim + d;
-                const bf16_t* ur = (const bf16_t*)p.up + (u64)i * p.rank;
-                float g = 0.0f;
-                for (u32 q = 0; q < p.rank; q++) g += bf2f(ur[q]) * lo[q];
-                const float hn = H[i] * inv[cc] * (1.0f + bfw(p.norm, i));
-                a += sigmoidf_(g) * hn;
-            }
-            fptr(p.out)[(u64)r * p.dim + d] = a / (float)p.hc;
-        }
-        if (p.inject) {
-            for (u32 cc = warp; cc < p.hc; cc += nw) {
-                const bf16_t* wr = (const bf16_t*)p.inject + (u64)cc * W;
-                float acc = 0.0f;
-                for (u32 i = lane; i < W; i += 32) {
-                    const float hn = H[i] * inv[i / p.dim] * (1.0f + bfw(p.norm, i));
-                    acc += bf2f(wr[i]) * hn;
+        for (u32 i0 = 0; i0 < nrows; i0 += T) {
+            bool ok[T];
+#pragma unroll
+            for (int t = 0; t < T; t++) ok[t] = i0 + t < nrows && row_ok(c, i0 + t, p.gathered);
+            for (u32 pr = warp; pr < p.hc * spg; pr += HC_NW) {
+                const u32 cc = pr / spg, si = pr % spg;
+                const u32 a = cc * p.dim + si * slice;
+                const u32 b0 = (si + 1) * slice < p.dim ? cc * p.dim + (si + 1) * slice : (cc + 1) * p.dim;
+                float acc[HC_QB][T], sq[T];
+#pragma unroll
+                for (int t = 0; t < T; t++) {
+                    sq[t] = 0.0f;
+#pragma unroll
+                    for (int m = 0; m < HC_QB; m++) acc[m][t] = 0.0f;
                 }
-                acc = warp_sum(acc);
-                if (lane == 0) fptr(p.inj)[(u64)r * p.hc + cc] = 2.0f * sigmoidf_(acc / (float)p.hc);
+                if (vec) {
+                    for (u32 kk = a + lane * 8; kk < b0; kk += 256) {
+                        float f[HC_QB][8], nw[8];
+#pragma unroll
+                        for (int m = 0; m < HC_QB; m++) unpack8(ldg_stream16(w[m] + kk), f[m]);
+                        unpack8(*(const uint4*)((const bf16_t*)p.norm + kk), nw);
+#pragma unroll
+                        for (int t = 0; t < T; t++) {
+                            if (!ok[t]) continue;
+                            float h[8], hn[8];
+                            load_x8(fptr(p.h) + (u64)(i0 + t) * W + kk, (W & 3) == 0 && (p.h & 15) == 0, h);
+#pragma unroll
+                            for (int e = 0; e < 8; e++) hn[e] = h[e] * (1.0f + nw[e]);
+                            sq[t] += dot8(h, h);
+#pragma unroll
+                            for (int m = 0; m < HC_QB; m++) acc[m][t] += dot8(f[m], hn);
+                        }
+                    }
+                } else {
+                    for (u32 kk = a + lane; kk < b0; kk += 32) {
+                        const float nv = 1.0f + bfw(p.norm, kk);
+#pragma unroll
+                        for (int t = 0; t < T; t++) {
+                            if (!ok[t]) continue;
+                            const float h = fptr(p.h)[(u64)(i0 + t) * W + kk];
+                            sq[t] = fmaf(h, h, sq[t]);
+#pragma unroll
+                            for (int m = 0; m < HC_QB; m++) acc[m][t] = fmaf(bf2f(w[m][kk]), h * nv, acc[m][t]);
+                        }
+                    }
+                }
+#pragma unroll
+                for (int t = 0; t < T; t++) {
+                    const float s2 = warp_sum(sq[t]);
+                    float v[HC_QB];
+#pragma unroll
+                    for (int m = 0; m < HC_QB; m++) v[m] = warp_sum(acc[m][t]);
+                    if (lane == 0) {
+                        ss[pr][t] = s2;
+#pragma unroll
+                        for (int m = 0; m < HC_QB; m++) sp[pr][m][t] = v[m];
+                    }
+                }
+            }
+            __syncthreads();
+            if (threadIdx.x < T && ok[threadIdx.x % T]) {
+                const u32 t = threadIdx.x;
+                const u32 r = i0 + t;
+                float inv[HC_MAX];
+                for (u32 cc = 0; cc < p.hc; cc++) {
+                    float s2 = 0.0f;
+                    for (u32 si = 0; si < spg; si++) s2 += ss[cc * spg + si][t];
+                    inv[cc] = 1.0f / sqrtf(s2 / (float)p.dim + p.eps);
+                    if (blockIdx.x == 0) invs[(u64)r * p.hc + cc] = inv[cc];
+                }
+                for (u32 m = 0; m < HC_QB; m++) {
+                    const u32 q = q0 + m;
+                    if (q >= nout) break;
+                    float v = 0.0f;
+                    for (u32 cc = 0; cc < p.hc; cc++) {
+                        float pc = 0.0f;
+                        for (u32 si = 0; si < spg; si++) pc += sp[cc * spg + si][m][t];
+                        v += inv[cc] * pc;
+                    }
+                    if (q < p.rank)
+                        lo[(u64)r * p.rank + q] = siluf_(v / (float)p.hc);
+                    else
+                        fptr(p.inj)[(u64)r * p.hc + (q - p.rank)] = 2.0f * sigmoidf_(v / (float)p.hc);
+                }
+            }
+            __syncthreads();
+        }
+    }
+}
+
+extern "C" __global__ void hc_read(const FpHcRead p) {
+    const u32 nrows = p.gathered ? p.c.nstreams : p.c.nstreams * p.c.window;
+#define HC_CALL(T) hc_read_t<T>(p, nrows)
+    DISPATCH_T(nrows, HC_CALL);
+#undef HC_CALL
+}
+
+template <int T>
+DEV void hc_mix_t(const FpHcRead& p, u32 nrows) {
+    const FpCommon& c = p.c;
+    const u32 W = p.dim * p.hc;
+    const u32 lane = threadIdx.x & 31, g = lane >> 3, l8 = lane & 7;
+    const u32 gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const u32 nwarps = (gridDim.x * blockDim.x) >> 5;
+    const float* lo = fptr(c.scratch);
+    const float* invs = lo + (u64)nrows * p.rank;
+    const bool vec = (p.rank & 7) == 0 && (p.up & 15) == 0;
+    const bool lvec = (p.rank & 3) == 0;
+    for (u32 d = gw; d < p.dim; d += nwarps) {
+        for (u32 i0 = 0; i0 < nrows; i0 += T) {
+            bool ok[T];
+#pragma unroll
+            for (int t = 0; t < T; t++) ok[t] = i0 + t < nrows && row_ok(c, i0 + t, p.gathered);
+            float val[HC_MAX / 4][T];
+#pragma unroll
+            for (int j = 0; j < HC_MAX / 4; j++) {
+                const u32 cc = g + 4 * j;
+                float acc[T];
+#pragma unroll
+                for (int t = 0; t < T; t++) acc[t] = 0.0f;
+                if (cc < p.hc) {
+                    const bf16_t* ur = (const bf16_t*)p.up + (u64)(cc * p.dim + d) * p.rank;
+                    if (vec) {
+                        for (u32 kk = l8 * 8; kk < p.rank; kk += 64) {
+                            float f[8];
+                            unpack8(ldg_stream16(ur + kk), f);
+#pragma unroll
+                            for (int t = 0; t < T; t++) {
+                                if (!ok[t]) continue;
+                                float x[8];
+                                load_x8(lo + (u64)(i0 + t) * p.rank + kk, lvec, x);
+                                acc[t] += dot8(f, x);
+                            }
+                        }
+                    } else {
+                        for (u32 kk = l8; kk < p.rank; kk += 8) {
+                            const float f = bf2f(ur[kk]);
+#pragma unroll
+                            for (int t = 0; t < T; t++)
+                                if (ok[t]) acc[t] = fmaf(f, lo[(u64)(i0 + t) * p.rank + kk], acc[t]);
+                        }
+                    }
+                }
+#pragma unroll
+                for (int t = 0; t < T; t++) {
+                    const float gs = group8_sum(acc[t]);
+                    float v = 0.0f;
+                    if (cc < p.hc && ok[t]) {
+                        const u32 i = cc * p.dim + d;
+                        const u32 r = i0 + t;
+                        const float hn = fptr(p.h)[(u64)r * W + i] * invs[(u64)r * p.hc + cc] * (1.0f + bfw(p.norm, i));
+                        v = sigmoidf_(gs) * hn;
+                    }
+                    val[j][t] = v;
+                }
+            }
+#pragma unroll
+            for (int t = 0; t < T; t++) {
+                float a = 0.0f;
+#pragma unroll
+                for (int j = 0; j < HC_MAX / 4; j++)
+#pragma unroll
+                    for (int gg = 0; gg < 4; gg++) {
+                        const float v = __shfl_sync(FULL_MASK, val[j][t], gg * 8);
+                        if ((u32)(gg + 4 * j) < p.hc) a += v;
+                    }
+                if (lane == 0 && ok[t]) fptr(p.out)[(u64)(i0 + t) * p.dim + d] = a / (float)p.hc;
             }
         }
-        __syncthreads();
     }
+}
+
+extern "C" __global__ void hc_read_mix(const FpHcRead p) {
+    const u32 nrows = p.gathered ? p.c.nstreams : p.c.nstreams * p.c.window;
+#define HCM_CALL(T) hc_mix_t<T>(p, nrows)
+    DISPATCH_T(nrows, HCM_CALL);
+#undef HCM_CALL
 }

@@ -1,8 +1,19 @@
-// Keyed sampling (rounds.md section 4), one block per sampled row: greedy (lowest-id maximum, NaN as -inf) or
-// Gumbel-max over every id with u = uniform(seed, position, id) in f64 at temperature T. The top-k / top-p /
-// min-p filters are not implemented on the device yet (the backend refuses such descriptors). probs: the sampled
-// token's probability at temperature 1.
+// Keyed sampling (rounds.md section 4), one block (1024 threads) per sampled row, equal to the CPU sampler
+// (runtime/src/sampler.rs `sample`):
+// - greedy (T = 0): the lowest-id maximum, NaN as -inf; also the answer when the maximum is not finite;
+// - plain temperature: Gumbel-max over every id with u = uniform(seed, position, id), scores in f64;
+// - top-k / top-p / min-p: candidates ranked by (logit descending, id ascending). The rank-k element is found by
+//   radix select (8-bit digits of the ordered key bits, then of the id among equal keys); p_i = softmax(logit/T)
+//   over the top-k candidates in f64 with max subtraction; top-p walks the ranking in chunks of 1024 (each chunk
+//   selected by rank, sorted by a bitonic sort in shared memory, and summed by one thread in rank order, as the
+//   CPU does), min-p keeps p_i >= min_p * max p; Gumbel-max over the kept candidates.
+// The one difference from the host: z (the softmax denominator) is a block tree sum rather than a left-to-right
+// sum, and exp/log are CUDA's (within 1 ulp); a cut can only move when a cumulative mass lands within ~1e-15
+// (relative) of top_p or a probability within that of the min-p bar.
+// probs: the sampled token's probability at temperature 1.
 #include "common.cuh"
+
+#define SAMPLE_CHUNK 1024u
 
 DEV u64 mix64(u64 z) {
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
@@ -16,6 +27,15 @@ DEV double uniform01(u64 seed, u64 position, u32 id) {
     return (double)(x >> 11) * (1.0 / 9007199254740992.0) + (0.5 / 9007199254740992.0);
 }
 DEV float keyf(float l) { return l != l ? -INFINITY : l + 0.0f; }
+// Key bits ordered as unsigned integers (a larger key gives a larger value); keys are never NaN or -0.
+DEV u32 ord_of(float k) {
+    const u32 b = __float_as_uint(k);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+DEV float key_of_ord(u32 o) { return __uint_as_float((o & 0x80000000u) ? (o & 0x7fffffffu) : ~o); }
+// (oa, ia) ranks before (ob, ib): key descending, then id ascending.
+DEV bool ranks_before(u32 oa, u32 ia, u32 ob, u32 ib) { return oa > ob || (oa == ob && ia < ib); }
+DEV bool at_or_before(u32 oa, u32 ia, u32 ob, u32 ib) { return oa > ob || (oa == ob && ia <= ib); }
 
 // Block arg-max of (value, id) with ties to the lower id; `valid` false entries never win.
 DEV void block_argmax(double& best, u32& bi, double* shv, u32* shi) {
@@ -43,9 +63,198 @@ DEV void block_argmax(double& best, u32& bi, double* shv, u32* shi) {
         }
 }
 
+struct SampleShared {
+    u32 hist[256];
+    u32 bc[4];
+    u32 sk[SAMPLE_CHUNK];
+    u32 si[SAMPLE_CHUNK];
+    double sw[SAMPLE_CHUNK];
+    double cum;
+};
+
+// The element of rank r (1-based, r <= vocab) in the order (key descending, id ascending): (ordered key, id).
+DEV void rank_select(const float* lg, u32 vocab, u32 r, SampleShared& sh, u32& o_out, u32& id_out) {
+    u32 prefix = 0, mask = 0;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (u32 i = threadIdx.x; i < 256; i += blockDim.x) sh.hist[i] = 0;
+        __syncthreads();
+        for (u32 i = threadIdx.x; i < vocab; i += blockDim.x) {
+            const u32 o = ord_of(keyf(lg[i]));
+            if ((o & mask) == prefix) atomicAdd(&sh.hist[(o >> shift) & 255u], 1u);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            u32 cum = 0, b = 255;
+            for (; b > 0; b--) {
+                if (cum + sh.hist[b] >= r) break;
+                cum += sh.hist[b];
+            }
+            sh.bc[0] = b;
+            sh.bc[1] = r - cum;
+        }
+        __syncthreads();
+        prefix |= sh.bc[0] << shift;
+        mask |= 255u << shift;
+        r = sh.bc[1];
+        __syncthreads();
+    }
+    // The r-th smallest id among the keys equal to `prefix`.
+    int top = 24;
+    while (top > 0 && ((vocab - 1) >> top) == 0) top -= 8;
+    u32 idp = 0, idm = 0;
+    for (int shift = top; shift >= 0; shift -= 8) {
+        for (u32 i = threadIdx.x; i < 256; i += blockDim.x) sh.hist[i] = 0;
+        __syncthreads();
+        for (u32 i = threadIdx.x; i < vocab; i += blockDim.x)
+            if ((i & idm) == idp && ord_of(keyf(lg[i])) == prefix) atomicAdd(&sh.hist[(i >> shift) & 255u], 1u);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            u32 cum = 0, b = 0;
+            for (; b < 255; b++) {
+                if (cum + sh.hist[b] >= r) break;
+                cum += sh.hist[b];
+            }
+            sh.bc[0] = b;
+            sh.bc[1] = r - cum;
+        }
+        __syncthreads();
+        idp |= sh.bc[0] << shift;
+        idm |= 255u << shift;
+        r = sh.bc[1];
+        __syncthreads();
+    }
+    o_out = prefix;
+    id_out = idp;
+}
+
+// Sorts sh.sk/sh.si (SAMPLE_CHUNK entries) by rank.
+DEV void rank_sort(SampleShared& sh) {
+    for (u32 k = 2; k <= SAMPLE_CHUNK; k <<= 1)
+        for (u32 j = k >> 1; j > 0; j >>= 1) {
+            for (u32 i = threadIdx.x; i < SAMPLE_CHUNK; i += blockDim.x) {
+                const u32 x = i ^ j;
+                if (x > i) {
+                    const bool first = (i & k) == 0;
+                    const u32 ao = sh.sk[i], ai = sh.si[i], bo = sh.sk[x], bi = sh.si[x];
+                    if (first ? ranks_before(bo, bi, ao, ai) : ranks_before(ao, ai, bo, bi)) {
+                        sh.sk[i] = bo;
+                        sh.si[i] = bi;
+                        sh.sk[x] = ao;
+                        sh.si[x] = ai;
+                    }
+                }
+            }
+            __syncthreads();
+        }
+}
+
+// Top-k / top-p / min-p then Gumbel-max (maxl finite). Returns the token (valid in every thread).
+DEV u32 sample_filtered(const float* lg, u32 vocab, const FpStream& st, u64 position, float maxl, u32 greedy,
+                        SampleShared& sh, double* shv, u32* shi) {
+    const double t = (double)st.temperature, mx = (double)maxl;
+    const u32 kk = (st.top_k > 0 && st.top_k < vocab) ? st.top_k : vocab;
+    const bool use_p = st.top_p < 1.0f, use_min = st.min_p > 0.0f;
+    // Top-k: candidates rank at or before (ko, kid).
+    u32 ko = 0, kid = 0xffffffffu;
+    if (kk < vocab) rank_select(lg, vocab, kk, sh, ko, kid);
+    double z = 0.0;
+    if (use_p || use_min) {
+        for (u32 i = threadIdx.x; i < vocab; i += blockDim.x) {
+            const float l = keyf(lg[i]);
+            if (at_or_before(ord_of(l), i, ko, kid)) z += exp(((double)l - mx) / t);
+        }
+        z = block_sum_d(z, shv);
+    }
+    const double min_keep = (double)st.min_p * (1.0 / z);
+    const double top_p = (double)st.top_p;
+    // Top-p: the shortest ranked prefix whose mass reaches top_p, walked in chunks of SAMPLE_CHUNK ranks.
+    bool cut_p = false;
+    u32 co = ko, cid = kid;
+    if (use_p) {
+        u32 done = 0, po = 0, pid = 0;
+        if (threadIdx.x == 0) sh.cum = 0.0;
+        while (done < kk) {
+            const u32 n = min(done + SAMPLE_CHUNK, kk);
+            u32 no, nid;
+            rank_select(lg, vocab, n, sh, no, nid);
+            if (threadIdx.x == 0) sh.bc[2] = 0;
+            __syncthreads();
+            for (u32 i = threadIdx.x; i < vocab; i += blockDim.x) {
+                const u32 o = ord_of(keyf(lg[i]));
+                if (at_or_before(o, i, no, nid) && !(done > 0 && at_or_before(o, i, po, pid))) {
+                    const u32 at = atomicAdd(&sh.bc[2], 1u);
+                    if (at < SAMPLE_CHUNK) {
+                        sh.sk[at] = o;
+                        sh.si[at] = i;
+                    }
+                }
+            }
+            __syncthreads();
+            const u32 m = n - done;
+            for (u32 j = threadIdx.x; j < SAMPLE_CHUNK; j += blockDim.x)
+                if (j >= m) {
+                    sh.sk[j] = 0;
+                    sh.si[j] = 0xffffffffu;
+                }
+            __syncthreads();
+            rank_sort(sh);
+            for (u32 j = threadIdx.x; j < m; j += blockDim.x)
+                sh.sw[j] = exp(((double)key_of_ord(sh.sk[j]) - mx) / t) / z;
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                u32 found = 0, at = 0;
+                double cum = sh.cum;
+                for (u32 j = 0; j < m; j++) {
+                    cum += sh.sw[j];
+                    if (cum >= top_p) {
+                        found = 1;
+                        at = j;
+                        break;
+                    }
+                }
+                sh.cum = cum;
+                sh.bc[0] = found;
+                sh.bc[1] = at;
+                // Past the min-p bar: min-p cuts first, no need to walk on.
+                sh.bc[3] = (!found && use_min && sh.sw[m - 1] < min_keep) ? 1u : 0u;
+            }
+            __syncthreads();
+            const u32 found = sh.bc[0], at = sh.bc[1], stop = sh.bc[3];
+            if (found) {
+                cut_p = true;
+                co = sh.sk[at];
+                cid = sh.si[at];
+            }
+            __syncthreads();
+            if (found || stop) break;
+            done = n;
+            po = no;
+            pid = nid;
+        }
+    }
+    // Gumbel-max over the kept candidates.
+    double gb = -INFINITY;
+    u32 gi = 0xffffffffu;
+    for (u32 i = threadIdx.x; i < vocab; i += blockDim.x) {
+        const float l = keyf(lg[i]);
+        const u32 o = ord_of(l);
+        if (!at_or_before(o, i, ko, kid)) continue;
+        if (cut_p && !at_or_before(o, i, co, cid)) continue;
+        if (use_min && !(exp(((double)l - mx) / t) / z >= min_keep)) continue;
+        const double sc = (double)l / t - log(-log(uniform01(st.seed, position, i)));
+        if (gi == 0xffffffffu || sc > gb || (sc == gb && i < gi)) {
+            gb = sc;
+            gi = i;
+        }
+    }
+    block_argmax(gb, gi, shv, shi);
+    return gi == 0xffffffffu ? greedy : gi;
+}
+
 extern "C" __global__ void sample(const FpSample p) {
     __shared__ double shv[32];
     __shared__ u32 shi[32];
+    __shared__ SampleShared sh;
     const FpCommon& c = p.c;
     const u32 items = p.mode == 0 ? c.nstreams * c.window : c.nstreams;
     for (u32 it = blockIdx.x; it < items; it += gridDim.x) {
@@ -96,21 +305,27 @@ extern "C" __global__ void sample(const FpSample p) {
         u32 tok = bi == 0xffffffffu ? 0 : bi;
         if (!(st.temperature == 0.0f || st.temperature != st.temperature || st.temperature < 0.0f) &&
             maxl < INFINITY && maxl > -INFINITY) {
-            const double t = (double)st.temperature;
-            double gb = -INFINITY;
-            u32 gi = 0xffffffffu;
-            for (u32 i = threadIdx.x; i < p.vocab; i += blockDim.x) {
-                const float l = lg[i];
-                if (l != l || l == -INFINITY) continue;
-                const double u = uniform01(st.seed, position, i);
-                const double sc = (double)l / t - log(-log(u));
-                if (gi == 0xffffffffu || sc > gb) {
-                    gb = sc;
-                    gi = i;
+            const bool filtered =
+                (st.top_k > 0 && st.top_k < p.vocab) || st.top_p < 1.0f || st.min_p > 0.0f;
+            if (filtered) {
+                tok = sample_filtered(lg, p.vocab, st, position, maxl, tok, sh, shv, shi);
+            } else {
+                const double t = (double)st.temperature;
+                double gb = -INFINITY;
+                u32 gi = 0xffffffffu;
+                for (u32 i = threadIdx.x; i < p.vocab; i += blockDim.x) {
+                    const float l = lg[i];
+                    if (l != l || l == -INFINITY) continue;
+                    const double u = uniform01(st.seed, position, i);
+                    const double sc = (double)l / t - log(-log(u));
+                    if (gi == 0xffffffffu || sc > gb) {
+                        gb = sc;
+                        gi = i;
+                    }
                 }
+                block_argmax(gb, gi, shv, shi);
+                if (gi != 0xffffffffu) tok = gi;
             }
-            block_argmax(gb, gi, shv, shi);
-            if (gi != 0xffffffffu) tok = gi;
         }
         // Probability of tok at temperature 1 (f64).
         double z = 0.0;

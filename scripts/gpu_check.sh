@@ -5,7 +5,8 @@
 #      builds the release GPU test binary, strips it into gpu-bin/ (ignored by git through .git/info/exclude) and
 #      compiles the kernels into the cubin cache gpu-bin/kernels (needs NVRTC: scripts/setup_nvrtc.sh).
 #   2. On the H200, through the device `run` tool, with carry ["gpu-bin"]:
-#                       bash scripts/gpu_check.sh run
+#                       bash scripts/gpu_check.sh run [all|gpu|rounds]
+#      (all: tests/gpu.rs then tests/gpu_rounds.rs; gpu or rounds: one of them)
 #      runs the checks and prints the table (also written to $OUT/gpu-checks.md when $OUT is set).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,17 +18,23 @@ build)
         eval "$(bash scripts/setup_nvrtc.sh)"
     fi
     rm -rf gpu-bin && mkdir -p gpu-bin/kernels
-    exe=$(cargo test --release --test gpu --no-run --message-format=json 2>/dev/null |
-        python3 -c 'import sys, json
+    # Test binaries: gpu (backend vs CPU, issue 4) and gpu_rounds (rounds and streams on the tiny model, issues 5
+    # and 6), stripped and gzipped (the working tree plus gpu-bin must stay under the device copy limit).
+    for t in gpu gpu_rounds; do
+        exe=$(cargo test --release --test "$t" --no-run --message-format=json 2>/dev/null |
+            T="$t" python3 -c 'import os, sys, json
 for l in sys.stdin:
     m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "gpu":
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == os.environ["T"]:
         print(m["executable"])')
-    cp "$exe" gpu-bin/gpu-test
-    strip gpu-bin/gpu-test
+        cp "$exe" "gpu-bin/$t-test"
+        strip "gpu-bin/$t-test"
+        gzip -9 "gpu-bin/$t-test"
+    done
     FLASHPLAN_KERNEL_CACHE="$PWD/gpu-bin/kernels" cargo test --release -q -p flashplan-compiler --lib \
         nvrtc::tests::kernels_compile_for_sm_90a >/dev/null
     ls gpu-bin/kernels/*.cubin >/dev/null
+    gzip -9 gpu-bin/kernels/*.cubin
     pwd >gpu-bin/build-root
     du -sh gpu-bin
     echo "now: run(command='bash scripts/gpu_check.sh run', carry=['gpu-bin'])"
@@ -39,13 +46,42 @@ run)
         mkdir -p "$(dirname "$built")"
         ln -s "$PWD" "$built"
     fi
-    export FLASHPLAN_GPU=1 FLASHPLAN_KERNEL_CACHE="$PWD/gpu-bin/kernels"
+    # The cubin cache travels gzipped: unpack it where the tests read it.
+    kc=/tmp/flashplan-kernels
+    rm -rf "$kc" && mkdir -p "$kc"
+    for f in gpu-bin/kernels/*; do
+        case "$f" in
+        *.gz) gunzip -c "$f" >"$kc/$(basename "${f%.gz}")" ;;
+        *) cp "$f" "$kc/" ;;
+        esac
+    done
+    export FLASHPLAN_GPU=1 FLASHPLAN_KERNEL_CACHE="$kc"
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
+    # Which checks: all (default), gpu (issue 4) or rounds (issues 5 and 6).
+    which="${2:-all}"
+    tests=()
+    case "$which" in
+    all) tests=(gpu gpu_rounds) ;;
+    gpu) tests=(gpu) ;;
+    rounds) tests=(gpu_rounds) ;;
+    *) echo "usage: $0 run [all|gpu|rounds]" >&2; exit 2 ;;
+    esac
     set +e
-    ./gpu-bin/gpu-test --nocapture --test-threads=1 2>&1 | tee /tmp/gpu-test.log
-    rc=${PIPESTATUS[0]}
+    rc=0
+    : >/tmp/gpu-test.log
+    for t in "${tests[@]}"; do
+        if [ -f "gpu-bin/$t-test.gz" ]; then
+            gunzip -c "gpu-bin/$t-test.gz" >"/tmp/$t-test" && chmod +x "/tmp/$t-test"
+        else
+            cp "gpu-bin/$t-test" "/tmp/$t-test"
+        fi
+        echo "== $t" | tee -a /tmp/gpu-test.log
+        "/tmp/$t-test" --nocapture --test-threads=1 2>&1 | tee -a /tmp/gpu-test.log
+        r=${PIPESTATUS[0]}
+        [ "$r" -ne 0 ] && rc=$r
+    done
     set -e
-    { echo "date: $(date -u +%Y-%m-%dT%H:%MZ)"; grep -E '^\||^GPU:' /tmp/gpu-test.log; } >/tmp/gpu-checks.md
+    { echo "date: $(date -u +%Y-%m-%dT%H:%MZ)"; grep -E '^\||^GPU:|^copy prompt|^== ' /tmp/gpu-test.log; } >/tmp/gpu-checks.md
     if [ -n "${OUT:-}" ]; then cp /tmp/gpu-checks.md /tmp/gpu-test.log "$OUT/"; fi
     exit "$rc"
     ;;

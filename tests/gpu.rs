@@ -47,7 +47,7 @@ fn plans(dir: &Path) -> (PlanBody, PlanBody) {
     let mut opts = CompileOptions {
         arch: "sm_90a".into(),
         max_depth: 15,
-        streams: vec![1, 2, 4],
+        streams: vec![1, 2, 4, 8, 16],
         context: 512,
         prefill_chunk: CHUNK,
     };
@@ -349,27 +349,29 @@ fn fixture_checks(name: &str, dir: &Path, expected: &Path, rep: &mut Report) {
         "bit-identical rows".into(),
     );
 
-    // Row invariance across stream counts: stream 0 as above, other streams on other slots with other tokens.
+    // Row invariance across stream counts: stream 0 as above (a full window of 16 rows), other streams on other
+    // slots with other tokens and other window fills, up to 16 streams x 16 rows = 256 rows in one replay.
     let mut base: Option<Vec<f32>> = None;
     let mut identical = true;
-    for s in [1u32, 2, 4] {
+    let w = 16usize;
+    for s in [1u32, 2, 4, 8, 16] {
         for slot in 0..s {
             gpu.set_slot_state(slot, &gpu_snapshot).unwrap();
         }
-        let other: Vec<u32> = cont[..4].iter().map(|t| (t + 7) % vocab as u32).collect();
-        let mut ss: Vec<(u32, u32, u32, &[u32])> = vec![(0, n as u32, 4, &cont[..4])];
+        let other: Vec<u32> = cont[..w].iter().map(|t| (t + 7) % vocab as u32).collect();
+        let mut ss: Vec<(u32, u32, u32, &[u32])> = vec![(0, n as u32, w as u32, &cont[..w])];
         for slot in 1..s {
-            ss.push((slot, n as u32, 4 - (slot % 3), &other));
+            ss.push((slot, n as u32, w as u32 - (slot % 5), &other));
         }
         gpu.run(
             VariantKind::Verify {
                 streams: s,
-                window: 4,
+                window: w as u32,
             },
-            &desc(&ss, 4),
+            &desc(&ss, w as u32),
         )
         .unwrap();
-        let lg = gpu.io(IoBuf::Logits)[..4 * vocab].to_vec();
+        let lg = gpu.io(IoBuf::Logits)[..w * vocab].to_vec();
         match &base {
             None => base = Some(lg),
             Some(b) => identical &= b.iter().zip(&lg).all(|(a, c)| a.to_bits() == c.to_bits()),
@@ -377,7 +379,7 @@ fn fixture_checks(name: &str, dir: &Path, expected: &Path, rep: &mut Report) {
     }
     rep.add(
         name,
-        "row invariance, streams 1/2/4",
+        "row invariance, streams 1/2/4/8/16 x 16 rows",
         identical,
         "bit-identical stream-0 rows".into(),
     );

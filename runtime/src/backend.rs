@@ -38,3 +38,26 @@ pub trait Backend: Send {
     /// A copy of a slot's whole state (tests compare states after rounds).
     fn slot_state(&self, slot: u32) -> Vec<f32>;
 }
+
+/// A boxed backend is a backend, so the engine and the service can run on one chosen at run time
+/// (`Engine<Box<dyn Backend>>`: the CLI picks the CUDA backend when a GPU is present, else the CPU one).
+impl<B: Backend + ?Sized> Backend for Box<B> {
+    fn body(&self) -> &PlanBody {
+        (**self).body()
+    }
+    fn run(&mut self, kind: VariantKind, desc: &RoundDesc) -> Result<(), BackendError> {
+        (**self).run(kind, desc)
+    }
+    fn io(&self, buf: IoBuf) -> &[f32] {
+        (**self).io(buf)
+    }
+    fn write_io(&mut self, buf: IoBuf, offset: usize, data: &[f32]) {
+        (**self).write_io(buf, offset, data)
+    }
+    fn reset_slot(&mut self, slot: u32) {
+        (**self).reset_slot(slot)
+    }
+    fn slot_state(&self, slot: u32) -> Vec<f32> {
+        (**self).slot_state(slot)
+    }
+}

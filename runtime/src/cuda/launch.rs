@@ -20,12 +20,21 @@ pub(crate) struct Addrs<'a> {
     pub rope_cfg: &'a Rope,
 }
 
-/// One launch: kernel name, parameter bytes, grid, block.
+/// One node's launch: kernel name, parameter bytes, grid, block; `then`: a second kernel launched right after with
+/// the same parameters (ops done in two phases: hc_read, router, experts, shared_expert).
 pub(crate) struct LaunchSpec {
     pub kernel: &'static str,
     pub params: Vec<u8>,
     pub grid: (u32, u32, u32),
     pub block: (u32, u32, u32),
+    pub then: Option<(&'static str, u32, u32)>,
+}
+
+impl LaunchSpec {
+    fn then(mut self, kernel: &'static str, grid: u32, block: u32) -> LaunchSpec {
+        self.then = Some((kernel, grid.max(1), block));
+        self
+    }
 }
 
 fn bytes<T: Copy>(p: &T) -> Vec<u8> {
@@ -69,12 +78,14 @@ impl Addrs<'_> {
 /// Scratch elements (f32) a node needs for `rows` rows.
 pub(crate) fn scratch_elems(body: &PlanBody, op: &Op, rows: u64) -> u64 {
     match op {
-        Op::IndexerSelect { ratio, .. } => rows * (body.state.context / *ratio as u64 + 1),
+        Op::IndexerSelect { ratio, .. } => rows * 2 * (body.state.context / *ratio as u64 + 1),
         Op::SparseAttn {
             heads, ratio, topk, ..
         } => rows * *heads as u64 * ((*topk as u64 + 1) * *ratio as u64),
         Op::Experts { topk, inter, .. } => rows * *topk as u64 * *inter as u64,
-        Op::SharedExpert { inter, .. } => rows * *inter as u64,
+        Op::SharedExpert { inter, .. } => rows * (*inter as u64 + 1),
+        Op::Router { experts, .. } => rows * *experts as u64,
+        Op::HcRead { hc, rank, .. } => rows * (*rank as u64 + *hc as u64),
         _ => 0,
     }
 }
@@ -89,6 +100,7 @@ pub(crate) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
         params,
         grid: (grid.max(1), 1, 1),
         block: (block, 1, 1),
+        then: None,
     };
     let half = a.rope_cfg.inv_freq.len() as u32;
     let af = a.rope_cfg.attention_factor;
@@ -192,7 +204,9 @@ pub(crate) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
                 gathered: gathered as u32,
                 pad: 0,
             };
-            one("linear", bytes(&p), n.div_ceil(8), 256)
+            // A warp per 4 features (measured faster than a warp per feature even for n = 2560 at one row; the
+            // kernel takes a warp per feature when given a grid of at least n warps).
+            one("linear", bytes(&p), n.div_ceil(32), 256)
         }
         Op::AddBroadcast {
             a: x,
@@ -249,10 +263,10 @@ pub(crate) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
                 eps: *eps,
                 pad: 0,
             };
-            one(
-                "hc_read",
-                bytes(&p),
-                if gathered { streams } else { rows },
+            let outs = *rank + if p.inject != 0 { *hc } else { 0 };
+            one("hc_read", bytes(&p), outs.div_ceil(2), 256).then(
+                "hc_read_mix",
+                dim.div_ceil(8),
                 256,
             )
         }
@@ -422,8 +436,9 @@ pub(crate) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
             LaunchSpec {
                 kernel: "gdn_recur",
                 params: bytes(&p),
-                grid: (*hv, streams, 1),
-                block: (dv.div_ceil(32) * 32, 1, 1),
+                grid: (*hv, streams, dv.div_ceil(32)),
+                block: (32, 1, 1),
+                then: None,
             }
         }
         Op::GdnCommit {
@@ -456,8 +471,9 @@ pub(crate) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
             LaunchSpec {
                 kernel: "gdn_commit",
                 params: bytes(&p),
-                grid: (*hv, streams, 1),
-                block: (dv.div_ceil(32) * 32, 1, 1),
+                grid: (*hv, streams, dv.div_ceil(32)),
+                block: (32, 1, 1),
+                then: None,
             }
         }
         Op::GatedNorm {
@@ -616,7 +632,8 @@ pub(crate) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
                 kernel: "sparse_attn",
                 params: bytes(&p),
                 grid: (rows, *heads, 1),
-                block: (128, 1, 1),
+                block: (512, 1, 1),
+                then: None,
             }
         }
         Op::IndexerCommit {
@@ -671,7 +688,11 @@ pub(crate) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
                 dim: *dim,
                 norm: *norm as u32,
             };
-            one("router", bytes(&p), rows, 256)
+            one("router", bytes(&p), experts.div_ceil(16), 256).then(
+                "router_topk",
+                rows.div_ceil(8),
+                256,
+            )
         }
         Op::Experts {
             x,
@@ -697,7 +718,12 @@ pub(crate) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
                 inter: *inter,
                 pad: 0,
             };
-            one("experts", bytes(&p), rows, 512)
+            let items = rows as u64 * *topk as u64 * inter.div_ceil(2) as u64;
+            one("experts", bytes(&p), items.div_ceil(8) as u32, 256).then(
+                "experts_down",
+                (rows * *dim).div_ceil(8),
+                256,
+            )
         }
         Op::SharedExpert {
             x,
@@ -720,7 +746,11 @@ pub(crate) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
                 dim: *dim,
                 inter: *inter,
             };
-            one("shared_expert", bytes(&p), rows, 512)
+            one("shared_expert", bytes(&p), (*inter + 1).div_ceil(8), 256).then(
+                "shared_expert_down",
+                dim.div_ceil(16),
+                256,
+            )
         }
         Op::Sample {
             logits,

@@ -125,6 +125,8 @@ pub struct BenchResult {
     /// Per-kernel time summed over the nodes of one replay, when launched one by one without a graph
     /// (events around each launch), microseconds, by kernel name.
     pub kernels_us: Vec<(String, f64)>,
+    /// Each node's time launched alone (best of three), microseconds, in node order.
+    pub nodes_us: Vec<f64>,
 }
 
 enum Cmd {
@@ -137,6 +139,11 @@ enum Cmd {
     Write(IoBuf, usize, Vec<f32>, Sender<Result<(), BackendError>>),
     SetSlot(u32, Vec<f32>, Sender<Result<(), BackendError>>),
     GetSlot(u32, Sender<Result<Vec<f32>, BackendError>>),
+    ReadBuf(
+        usize,
+        flashplan_plan::BufId,
+        Sender<Result<Vec<f32>, BackendError>>,
+    ),
     Bench(
         usize,
         Vec<u8>,
@@ -204,6 +211,38 @@ impl CudaBackend {
                     .collect()
             }));
         }
+        Self::start(body, bf, want)
+    }
+
+    /// As [`CudaBackend::new`] with the weights given directly as BF16 bit patterns (`None` entries are not
+    /// loaded): for synthetic full-width models (the benchmark), where f32 host copies would not fit.
+    ///
+    /// # Errors
+    /// As [`CudaBackend::new`].
+    pub fn new_bf16(
+        body: Arc<PlanBody>,
+        weights: Vec<Option<Vec<u16>>>,
+    ) -> Result<CudaBackend, BackendError> {
+        let arch = body.options.arch.clone();
+        let want = parse_arch(&arch).ok_or_else(|| {
+            BackendError::Device(format!(
+                "the plan is for arch `{arch}`, not a CUDA arch: compile the plans with --arch sm_90a"
+            ))
+        })?;
+        if body.kernels.is_empty() {
+            return Err(BackendError::Device(
+                "the plan carries no kernel modules: recompile it for a CUDA arch".into(),
+            ));
+        }
+        probe_gpu().map_err(BackendError::Device)?;
+        Self::start(body, weights, want)
+    }
+
+    fn start(
+        body: Arc<PlanBody>,
+        bf: Vec<Option<Vec<u16>>>,
+        want: (i32, i32),
+    ) -> Result<CudaBackend, BackendError> {
         let (tx, rx) = channel::<Cmd>();
         let (ready_tx, ready_rx) = channel::<Result<(), BackendError>>();
         let b2 = Arc::clone(&body);
@@ -274,7 +313,6 @@ impl CudaBackend {
                 s * w
             )));
         }
-        let vocab = body.config.vocab_size;
         for sd in &desc.streams {
             if sd.slot >= body.state.slots
                 || sd.rows > w
@@ -284,15 +322,6 @@ impl CudaBackend {
                     "{}: stream {sd:?} out of range",
                     kind.name()
                 )));
-            }
-            let p = sd.sampling;
-            if p.temperature > 0.0
-                && ((p.top_k > 0 && p.top_k < vocab) || p.top_p < 1.0 || p.min_p > 0.0)
-            {
-                return Err(BackendError::BadDescriptor(
-                    "top-k / top-p / min-p sampling is not implemented on the CUDA backend yet"
-                        .into(),
-                ));
             }
         }
         Ok(idx)
@@ -353,6 +382,23 @@ impl CudaBackend {
         let bytes = self.desc_bytes(desc);
         self.invalidate();
         self.call(|tx| Cmd::Bench(idx, bytes, iters, tx))
+    }
+
+    /// Reads one of a variant's buffers (arena or io) as the last replay left it (f32 elements; u32 buffers such
+    /// as routed expert ids come back as their bit patterns).
+    ///
+    /// # Errors
+    /// [`BackendError::NoVariant`] or a device error.
+    pub fn read_buffer(
+        &self,
+        kind: VariantKind,
+        buf: flashplan_plan::BufId,
+    ) -> Result<Vec<f32>, BackendError> {
+        let idx = *self
+            .index
+            .get(&kind)
+            .ok_or_else(|| BackendError::NoVariant(kind.name()))?;
+        self.call(|tx| Cmd::ReadBuf(idx, buf, tx))
     }
 
     fn invalidate(&mut self) {
@@ -691,6 +737,9 @@ impl Worker {
                 Cmd::GetSlot(s, tx) => {
                     let _ = tx.send(self.get_slot(s));
                 }
+                Cmd::ReadBuf(i, b, tx) => {
+                    let _ = tx.send(self.read_buf(i, b));
+                }
                 Cmd::Bench(i, d, iters, tx) => {
                     let _ = tx.send(self.bench(i, &d, iters));
                 }
@@ -746,7 +795,18 @@ impl Worker {
         // SAFETY: the function takes one parameter struct by value whose bytes `params` holds; every address in it
         // points into this worker's allocations, which outlive the launch (and every graph).
         unsafe { result::launch_kernel(f, sp.grid, sp.block, 0, self.cu(), &mut args) }
-            .map_err(|e| BackendError::Device(format!("launching {}: {e}", sp.kernel)))
+            .map_err(|e| BackendError::Device(format!("launching {}: {e}", sp.kernel)))?;
+        if let Some((k2, grid, block)) = sp.then {
+            let f2 = *self.funcs.get(k2).ok_or_else(|| {
+                BackendError::Device(format!("the plan's kernels have no entry point `{k2}`"))
+            })?;
+            // SAFETY: as above, same parameter struct.
+            unsafe {
+                result::launch_kernel(f2, (grid, 1, 1), (block, 1, 1), 0, self.cu(), &mut args)
+            }
+            .map_err(|e| BackendError::Device(format!("launching {k2}: {e}")))?;
+        }
+        Ok(())
     }
 
     fn capture(&mut self, i: usize) -> Result<Option<CaptureInfo>, BackendError> {
@@ -780,7 +840,7 @@ impl Worker {
         self.graphs.insert(i, Graph { exec, graph });
         Ok(Some(CaptureInfo {
             variant: self.body.variants[i].kind.name(),
-            nodes: specs.len(),
+            nodes: specs.len() + specs.iter().filter(|s| s.then.is_some()).count(),
             ms: t0.elapsed().as_secs_f64() * 1e3,
         }))
     }
@@ -857,6 +917,22 @@ impl Worker {
         Ok(self.slots.ptr + s as u64 * self.body.state.slot_elems * 4)
     }
 
+    fn read_buf(&self, i: usize, b: flashplan_plan::BufId) -> Result<Vec<f32>, BackendError> {
+        let v = &self.body.variants[i];
+        let d = v.buf(b);
+        let base = match d.space {
+            flashplan_plan::Space::Arena => self.arena.ptr,
+            flashplan_plan::Space::Io(io) => self.io[&io].ptr,
+        };
+        let elems = d.elems as usize;
+        if elems * 4 > self.staging.bytes {
+            return Err(BackendError::BadDescriptor(format!(
+                "buffer of {elems} elements is larger than the staging area"
+            )));
+        }
+        self.dtoh(base + d.offset * 4, elems)
+    }
+
     fn set_slot(&self, s: u32, data: &[f32]) -> Result<(), BackendError> {
         self.htod(self.slot_ptr(s)?, data)
     }
@@ -894,12 +970,14 @@ impl Worker {
         let median_us = ts[ts.len() / 2];
         let specs = self.specs(i)?;
         let mut per: BTreeMap<String, f64> = BTreeMap::new();
+        let mut nodes_us = Vec::with_capacity(specs.len());
         for sp in &specs {
             let mut best = f64::MAX;
             for _ in 0..3 {
                 best = best.min(time(self, &|t| t.launch(sp))? as f64 * 1e3);
             }
             *per.entry(sp.kernel.to_string()).or_default() += best;
+            nodes_us.push(best);
         }
         // SAFETY: created above.
         unsafe {
@@ -911,6 +989,7 @@ impl Worker {
         Ok(BenchResult {
             median_us,
             kernels_us,
+            nodes_us,
         })
     }
 }

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Plain-decode benchmark (issue 4) together with the GPU checks, in two steps like scripts/gpu_check.sh.
+#
+#   1. Here:            bash scripts/gpu_bench.sh build
+#      gpu_check.sh build (test binary and cubin cache in gpu-bin/), plus the release example gpu_bench.
+#   2. On the H200, through the device `run` tool, with carry ["gpu-pack"]:
+#                       tar xf gpu-pack/gpu-bin.tar && bash scripts/gpu_bench.sh run [--no-checks] [gpu_bench args]
+#      runs the GPU checks (table), then the benchmark (tables also written to $OUT/bench.md when $OUT is set).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mode="${1:-build}"
+shift || true
+case "$mode" in
+build)
+    bash scripts/gpu_check.sh build
+    cargo build --release --example gpu_bench
+    cp target/release/examples/gpu_bench gpu-bin/gpu-bench
+    strip gpu-bin/gpu-bench
+    gzip -9f gpu-bin/gpu-bench
+    # What travels: gpu-pack/gpu-bin.tar (the issue-4 checks, the bench and the cubins; the working tree plus the
+    # carried files must stay under the device copy limit). The run command unpacks it first.
+    mkdir -p gpu-pack
+    grep -qxF '/gpu-pack/' .git/info/exclude 2>/dev/null || echo '/gpu-pack/' >>.git/info/exclude
+    tar cf gpu-pack/gpu-bin.tar gpu-bin/build-root gpu-bin/gpu-test.gz gpu-bin/gpu-bench.gz gpu-bin/kernels
+    du -sh gpu-pack
+    echo "now: run(command='tar xf gpu-pack/gpu-bin.tar && bash scripts/gpu_bench.sh run', carry=['gpu-pack'])"
+    ;;
+run)
+    rc=0
+    if [ "${1:-}" = "--no-checks" ]; then
+        shift
+    else
+        bash scripts/gpu_check.sh run gpu >/tmp/checks.out 2>&1 || rc=$?
+        grep -E '^\||^GPU:|^test result|panicked|FAIL' /tmp/checks.out || tail -30 /tmp/checks.out
+        echo "gpu checks exit status: $rc"
+    fi
+    kc=/tmp/flashplan-kernels
+    rm -rf "$kc" && mkdir -p "$kc"
+    for f in gpu-bin/kernels/*; do
+        case "$f" in
+        *.gz) gunzip -c "$f" >"$kc/$(basename "${f%.gz}")" ;;
+        *) cp "$f" "$kc/" ;;
+        esac
+    done
+    gunzip -c gpu-bin/gpu-bench.gz >/tmp/gpu-bench && chmod +x /tmp/gpu-bench
+    export FLASHPLAN_KERNEL_CACHE="$kc"
+    nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv,noheader || true
+    echo "date: $(date -u +%Y-%m-%dT%H:%MZ)"
+    set -o pipefail
+    /tmp/gpu-bench "$@" 2>&1 | tee /tmp/bench.md
+    if [ -n "${OUT:-}" ]; then cp /tmp/bench.md "$OUT/"; fi
+    exit "$rc"
+    ;;
+*)
+    echo "usage: $0 build|run [--no-checks] [gpu_bench args]" >&2
+    exit 2
+    ;;
+esac
