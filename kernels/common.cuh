@@ -3,7 +3,9 @@
 //
 // Row invariance (rounds.md section 5): every value a row produces is computed by one thread, warp or block whose
 // reduction order depends only on the launch's block size (fixed per kernel), never on how many rows the launch
-// has; no atomics. Padding rows (j >= rows of their stream) are skipped: nothing is written for them.
+// has; no atomics. Padding rows (j >= rows of their stream) are skipped: nothing is written for them. Padding
+// streams (rows 0) write nothing either, not even their slot's state unchanged: the engine pads with slot 0, which
+// may be a live stream's slot committed by other blocks of the same launch.
 #pragma once
 #include "params.h"
 

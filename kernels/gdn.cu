@@ -135,7 +135,9 @@ extern "C" __global__ void gdn_commit(const FpGdnCommit p) {
         for (u32 i = 0; i < GDN_MAX_DK; i++)
             if (i < p.dk) state[(u64)i * p.dv + e] = S[i];
     }
-    if (blockIdx.z != 0) return;
+    // Nothing kept (a padding stream, rows 0): write nothing. Its slot may be a live stream's (the engine pads with
+    // slot 0), whose blocks in this same launch shift that conv state; even a rewrite of the old values would race.
+    if (blockIdx.z != 0 || k == 0) return;
     float* conv = state_of(c, st.slot, p.conv);
     const u32 K1 = p.kernel - 1;
     for (u32 chn = h * blockDim.x + threadIdx.x; chn < p.channels; chn += p.hv * blockDim.x) {

@@ -118,6 +118,9 @@ extern "C" __global__ void ple_commit(const FpPleCommit p) {
     for (u32 s = blockIdx.x; s < c.nstreams; s += gridDim.x) {
         const FpStream& st = stream_of(c, s);
         const u32 k = keep_of(c, p.keep, s);
+        // Nothing kept (a padding stream, rows 0): write nothing. Its slot may be a live stream's (the engine pads
+        // with slot 0) committed by another block of this launch; rewriting the old values in place would race.
+        if (k == 0) continue;
         if (threadIdx.x == 0) {
             float* hist = state_of(c, st.slot, p.history);
             for (u32 i = 0; i < p.hist_len; i++) {

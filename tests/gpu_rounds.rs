@@ -577,3 +577,239 @@ fn gpu_rounds_on_the_tiny_model() {
     );
     assert_eq!(rep.fails, 0, "{} GPU round checks failed", rep.fails);
 }
+
+/// One replay as a recording backend saw it: the variant, its descriptor and what it left in the io buffers.
+struct Replay {
+    kind: VariantKind,
+    desc: RoundDesc,
+    sampled: Vec<u32>,
+    probs: Vec<f32>,
+    keep: Vec<u32>,
+    logits: Vec<f32>,
+}
+
+/// A backend that records every replay (for the lockstep diagnostic).
+struct Recording {
+    inner: Dyn,
+    log: std::sync::Arc<std::sync::Mutex<Vec<Replay>>>,
+}
+
+impl Backend for Recording {
+    fn body(&self) -> &PlanBody {
+        self.inner.body()
+    }
+    fn run(
+        &mut self,
+        kind: VariantKind,
+        desc: &RoundDesc,
+    ) -> Result<(), flashplan_runtime::backend::BackendError> {
+        self.inner.run(kind, desc)?;
+        let (s, w) = kind.shape();
+        let rows = (s * w) as usize;
+        let vocab = self.inner.body().config.vocab_size as usize;
+        let bits = |b: IoBuf, n: usize| -> Vec<u32> {
+            self.inner.io(b)[..n].iter().map(|x| x.to_bits()).collect()
+        };
+        let r = Replay {
+            kind,
+            desc: desc.clone(),
+            sampled: bits(IoBuf::Sampled, rows),
+            probs: self.inner.io(IoBuf::Probs)[..rows].to_vec(),
+            keep: if matches!(kind, VariantKind::Verify { .. } | VariantKind::Lone { .. }) {
+                bits(IoBuf::Keep, s as usize)
+            } else {
+                Vec::new()
+            },
+            logits: self.inner.io(IoBuf::Logits)[..rows * vocab].to_vec(),
+        };
+        self.log.lock().expect("log").push(r);
+        Ok(())
+    }
+    fn io(&self, buf: IoBuf) -> &[f32] {
+        self.inner.io(buf)
+    }
+    fn write_io(&mut self, buf: IoBuf, offset: usize, data: &[f32]) {
+        self.inner.write_io(buf, offset, data)
+    }
+    fn reset_slot(&mut self, slot: u32) {
+        self.inner.reset_slot(slot)
+    }
+    fn slot_state(&self, slot: u32) -> Vec<f32> {
+        self.inner.slot_state(slot)
+    }
+}
+
+fn tokens_of(evs: &[Event]) -> Vec<(u64, u32)> {
+    evs.iter()
+        .filter_map(|e| match e {
+            Event::Token { stream, id } => Some((*stream, *id)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Per state piece of one slot: the largest |gpu - cpu| relative to the piece's largest |cpu| value.
+fn piece_diffs(body: &PlanBody, a: &[f32], b: &[f32]) -> Vec<(String, f32)> {
+    body.state
+        .pieces
+        .iter()
+        .map(|p| {
+            let r = p.offset as usize..(p.offset + p.elems()) as usize;
+            let (x, y) = (&a[r.clone()], &b[r]);
+            let scale = y.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+            let d = x.iter().zip(y).fold(0f32, |m, (u, v)| m.max((u - v).abs()));
+            (p.name.clone(), d / scale)
+        })
+        .collect()
+}
+
+/// Lockstep diagnostic: the failing configuration (4 and 8 sampled streams) on the CPU and the CUDA backend, step by
+/// step. At the first step whose emitted tokens differ it prints the step, the streams, every replay of that step
+/// on both sides (variant, descriptor, sampled, keep, largest logit difference), and, after every step, the state
+/// pieces of the live slots whose GPU copy drifts from the CPU one.
+#[test]
+fn gpu_lockstep_sampled_streams() {
+    let Some(gpu_name) = gpu_ready() else {
+        return;
+    };
+    println!("GPU: {gpu_name} (lockstep diagnostic)");
+    let mut m = Models::new();
+    let t = tokenizer();
+    let ps = stream_prompts(&t);
+    let mut fails = 0;
+    for n in [4usize, 8] {
+        let streams = [1u32, 2, 4, 8];
+        let glog = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let clog = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let gbody = plan(gpu_arch(), &streams, 6);
+        let cbody = plan("cpu", &streams, 6);
+        let opts = EngineOptions {
+            max_depth: 6,
+            parallel: 8,
+            ..Default::default()
+        };
+        let gpu_be: Dyn = Box::new(Recording {
+            inner: start(gbody.clone(), &m.w, &m.w_bf),
+            log: glog.clone(),
+        });
+        let cpu_be: Dyn = Box::new(Recording {
+            inner: Box::new(CpuBackend::new(Arc::new(cbody), Arc::clone(&m.w_bf))),
+            log: clog.clone(),
+        });
+        let mut ge = Engine::new(gpu_be, opts.clone(), true);
+        let mut ce = Engine::new(cpu_be, opts, true);
+        for (i, p) in ps.iter().enumerate().take(n) {
+            let r = stream_request(p, i, true);
+            ge.submit(r.clone()).expect("submit");
+            ce.submit(r).expect("submit");
+        }
+        let mut step = 0;
+        let mut drift_reported = 0;
+        let mut diverged = false;
+        while ge.busy() > 0 || ce.busy() > 0 {
+            glog.lock().expect("log").clear();
+            clog.lock().expect("log").clear();
+            let gev = ge.step();
+            let cev = ce.step();
+            let (gt, ct) = (tokens_of(&gev), tokens_of(&cev));
+            // State drift of every live slot (GPU vs CPU), after this step.
+            let gpos = ge.positions();
+            for &(id, slot, pos) in &ce.positions() {
+                let Some(&(_, gslot, gp)) = gpos.iter().find(|p| p.0 == id) else {
+                    continue;
+                };
+                if gp != pos || drift_reported >= 12 {
+                    continue;
+                }
+                let a = ge.backend().slot_state(gslot);
+                let b = ce.backend().slot_state(slot);
+                let mut bad: Vec<(String, f32)> = piece_diffs(&gbody, &a, &b)
+                    .into_iter()
+                    .filter(|(_, d)| *d > 1e-2)
+                    .collect();
+                if !bad.is_empty() {
+                    bad.sort_by(|x, y| y.1.total_cmp(&x.1));
+                    bad.truncate(6);
+                    drift_reported += 1;
+                    println!(
+                        "n={n} step {step}: stream {id} slot {gslot} pos {pos}: state drift (rel) {bad:?}"
+                    );
+                }
+            }
+            if gt != ct && !diverged {
+                diverged = true;
+                fails += 1;
+                println!("n={n}: FIRST DIVERGENCE at step {step}");
+                println!("  gpu tokens {gt:?}");
+                println!("  cpu tokens {ct:?}");
+                let gl = glog.lock().expect("log");
+                let cl = clog.lock().expect("log");
+                for (k, (g, c)) in gl.iter().zip(cl.iter()).enumerate() {
+                    let ld = g
+                        .logits
+                        .iter()
+                        .zip(&c.logits)
+                        .fold(0f32, |mx, (u, v)| mx.max((u - v).abs()));
+                    println!(
+                        "  replay {k}: gpu {} cpu {} desc equal {} | sampled equal {} keep equal {} max |dlogit| {ld:.3e}",
+                        g.kind.name(),
+                        c.kind.name(),
+                        g.desc == c.desc,
+                        g.sampled == c.sampled,
+                        g.keep == c.keep,
+                    );
+                    for (si, sd) in g.desc.streams.iter().enumerate() {
+                        println!(
+                            "    stream {si}: slot {} pos {} rows {} committed {} src_row {} T {}",
+                            sd.slot,
+                            sd.pos,
+                            sd.rows,
+                            sd.committed,
+                            sd.src_row,
+                            sd.sampling.temperature
+                        );
+                    }
+                    if g.sampled != c.sampled {
+                        println!("    gpu sampled {:?}", g.sampled);
+                        println!("    cpu sampled {:?}", c.sampled);
+                        println!("    gpu probs {:?}", g.probs);
+                        println!("    cpu probs {:?}", c.probs);
+                    }
+                    if g.keep != c.keep {
+                        println!("    gpu keep {:?} cpu keep {:?}", g.keep, c.keep);
+                    }
+                    if g.desc != c.desc {
+                        println!("    gpu desc tokens {:?}", g.desc.tokens);
+                        println!("    cpu desc tokens {:?}", c.desc.tokens);
+                    }
+                }
+                if gl.len() != cl.len() {
+                    println!("  replays: gpu {} cpu {}", gl.len(), cl.len());
+                }
+            }
+            step += 1;
+            if step > 2000 {
+                panic!("no end after 2000 steps");
+            }
+        }
+        println!(
+            "| lockstep GPU == CPU, {n} streams, sampled | {} | {step} steps |",
+            if diverged { "FAIL" } else { "pass" }
+        );
+    }
+    // Determinism of the GPU alone: the same 4-stream sampled run three times.
+    let mut outs = Vec::new();
+    for _ in 0..3 {
+        let mut e = m.engine(true, &[1, 2, 4, 8], 6, 6);
+        let reqs: Vec<Request> = (0..4).map(|i| stream_request(&ps[i], i, true)).collect();
+        outs.push(
+            run_all(&mut e, &reqs)
+                .into_iter()
+                .map(|r| r.0)
+                .collect::<Vec<_>>(),
+        );
+    }
+    let same = outs.iter().all(|o| *o == outs[0]);
+    println!("| GPU 4-stream sampled run repeated 3x gives equal replies | {same} |");
+    assert_eq!(fails, 0, "lockstep GPU vs CPU diverged");
+}
