@@ -508,6 +508,10 @@ impl CpuBackend {
                 let st = self.read(v, *stash);
                 for s in 0..nstreams {
                     let k = self.keep_of(v, *keep, s, desc);
+                    // A stream that keeps nothing (padding) writes nothing: its slot may be a live one.
+                    if k == 0 {
+                        continue;
+                    }
                     let slot = desc.streams[s].slot;
                     let hist_len = self.state_range(*history).1;
                     let mut ids: Vec<f32> = self.state(slot, *history).to_vec();
@@ -662,6 +666,10 @@ impl CpuBackend {
                 let rw = self.read(v, *raw);
                 for s in 0..nstreams {
                     let k = self.keep_of(v, *keep, s, desc);
+                    // A stream that keeps nothing (padding) writes nothing: its slot may be a live one.
+                    if k == 0 {
+                        continue;
+                    }
                     let slot = desc.streams[s].slot;
                     let state_s = self.state(slot, *state);
                     for j in 0..k {
@@ -972,6 +980,10 @@ impl CpuBackend {
                 let kn = self.w(*k_norm)?;
                 for s in 0..nstreams {
                     let k = self.keep_of(v, *keep, s, desc);
+                    // A stream that keeps nothing (padding) writes nothing: its slot may be a live one.
+                    if k == 0 {
+                        continue;
+                    }
                     let d = desc.streams[s];
                     let end = d.pos as usize + k;
                     let slot = d.slot;
