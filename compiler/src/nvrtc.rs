@@ -11,7 +11,6 @@
 
 use std::ffi::{c_char, c_int, CString};
 
-use flashplan_plan::format::sha256_hex;
 use flashplan_plan::KernelModule;
 
 mod bundled {
@@ -26,14 +25,7 @@ pub fn sources() -> &'static [(&'static str, &'static str)] {
 /// SHA-256 (hex) over every bundled kernel source (name and text, in name order): the plan header's
 /// `kernel_source_hash` for GPU plans. The runtime computes the same from its own bundle.
 pub fn source_hash() -> String {
-    let mut all = Vec::new();
-    for (name, text) in sources() {
-        all.extend_from_slice(name.as_bytes());
-        all.push(0);
-        all.extend_from_slice(text.as_bytes());
-        all.push(0);
-    }
-    sha256_hex(&all)
+    flashplan_plan::format::kernel_source_hash(sources())
 }
 
 /// Errors compiling kernels.
@@ -75,19 +67,7 @@ pub fn entry_points(src: &str) -> Vec<String> {
 
 /// The hash keying one module's cubin: its source and every header.
 fn module_hash(name: &str, src: &str) -> String {
-    let mut all = Vec::new();
-    all.extend_from_slice(name.as_bytes());
-    all.push(0);
-    all.extend_from_slice(src.as_bytes());
-    for (n, t) in sources() {
-        if !n.ends_with(".cu") {
-            all.push(0);
-            all.extend_from_slice(n.as_bytes());
-            all.push(0);
-            all.extend_from_slice(t.as_bytes());
-        }
-    }
-    sha256_hex(&all)
+    flashplan_plan::format::kernel_module_hash(name, src, sources())
 }
 
 fn cache_path(stem: &str, hash: &str, arch: &str) -> Option<std::path::PathBuf> {

@@ -78,6 +78,37 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
     digest.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// The plan header's `kernel_source_hash`: SHA-256 (hex) over every kernel source file (name, NUL, text, NUL), in
+/// the given (name-sorted) order. The compiler and the runtime hash their own bundled copies with it.
+pub fn kernel_source_hash(sources: &[(&str, &str)]) -> String {
+    let mut all = Vec::new();
+    for (name, text) in sources {
+        all.extend_from_slice(name.as_bytes());
+        all.push(0);
+        all.extend_from_slice(text.as_bytes());
+        all.push(0);
+    }
+    sha256_hex(&all)
+}
+
+/// The hash keying one compiled kernel module (`KernelModule::source_hash`): its file name and text, then every
+/// header (non-`.cu` file) of `sources`, so a header change rebuilds every module.
+pub fn kernel_module_hash(name: &str, src: &str, sources: &[(&str, &str)]) -> String {
+    let mut all = Vec::new();
+    all.extend_from_slice(name.as_bytes());
+    all.push(0);
+    all.extend_from_slice(src.as_bytes());
+    for (n, t) in sources {
+        if !n.ends_with(".cu") {
+            all.push(0);
+            all.extend_from_slice(n.as_bytes());
+            all.push(0);
+            all.extend_from_slice(t.as_bytes());
+        }
+    }
+    sha256_hex(&all)
+}
+
 /// The hash identifying a config: SHA-256 of its canonical JSON (serde field order, deterministic).
 pub fn config_hash(cfg: &crate::ModelConfig) -> String {
     sha256_hex(serde_json::to_string(cfg).unwrap_or_default().as_bytes())

@@ -61,3 +61,38 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
         (**self).slot_state(slot)
     }
 }
+
+/// Checks that a descriptor fits a variant of `kind` in `body`: one entry per stream, `streams * window` tokens,
+/// every stream's slot, rows and positions in range. Both backends call it before a replay.
+///
+/// # Errors
+/// [`BackendError::BadDescriptor`] naming the variant and what does not fit.
+pub fn check_desc(
+    body: &PlanBody,
+    kind: VariantKind,
+    desc: &RoundDesc,
+) -> Result<(), BackendError> {
+    let (s, w) = kind.shape();
+    if desc.streams.len() != s as usize || desc.tokens.len() != (s * w) as usize {
+        return Err(BackendError::BadDescriptor(format!(
+            "{}: {} streams and {} tokens given, {} and {} expected",
+            kind.name(),
+            desc.streams.len(),
+            desc.tokens.len(),
+            s,
+            s * w
+        )));
+    }
+    for sd in &desc.streams {
+        if sd.slot >= body.state.slots
+            || sd.rows > w
+            || (sd.pos + sd.rows) as u64 > body.state.context
+        {
+            return Err(BackendError::BadDescriptor(format!(
+                "{}: stream {sd:?} out of range",
+                kind.name()
+            )));
+        }
+    }
+    Ok(())
+}

@@ -1289,28 +1289,7 @@ impl Backend for CpuBackend {
             .ok_or_else(|| BackendError::NoVariant(kind.name()))?;
         let body = Arc::clone(&self.body);
         let v = &body.variants[idx];
-        let (s, w) = kind.shape();
-        if desc.streams.len() != s as usize || desc.tokens.len() != (s * w) as usize {
-            return Err(BackendError::BadDescriptor(format!(
-                "{}: {} streams and {} tokens given, {} and {} expected",
-                kind.name(),
-                desc.streams.len(),
-                desc.tokens.len(),
-                s,
-                s * w
-            )));
-        }
-        for sd in &desc.streams {
-            if sd.slot >= body.state.slots
-                || sd.rows > w
-                || (sd.pos + sd.rows) as u64 > body.state.context
-            {
-                return Err(BackendError::BadDescriptor(format!(
-                    "{}: stream {sd:?} out of range",
-                    kind.name()
-                )));
-            }
-        }
+        crate::backend::check_desc(body.as_ref(), kind, desc)?;
         for node in &v.nodes {
             self.exec(v, &node.op, desc)?;
         }

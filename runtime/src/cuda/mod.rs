@@ -30,7 +30,6 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use cudarc::driver::{result, sys, CudaContext, CudaStream};
-use flashplan_plan::format::sha256_hex;
 use flashplan_plan::{IoBuf, Op, PlanBody, RoundDesc, StateKind, VariantKind};
 
 use crate::backend::{Backend, BackendError};
@@ -54,31 +53,12 @@ pub fn kernel_sources() -> &'static [(&'static str, &'static str)] {
 /// SHA-256 (hex) of the bundled kernel sources, as the compiler writes it into GPU plan headers
 /// (`PlanSet::check_matches(cfg, arch, Some(&kernel_source_hash()))`).
 pub fn kernel_source_hash() -> String {
-    let mut all = Vec::new();
-    for (name, text) in kernel_sources() {
-        all.extend_from_slice(name.as_bytes());
-        all.push(0);
-        all.extend_from_slice(text.as_bytes());
-        all.push(0);
-    }
-    sha256_hex(&all)
+    flashplan_plan::format::kernel_source_hash(kernel_sources())
 }
 
 /// The hash keying one module (its source and every header), as the compiler's NVRTC pipeline computes it.
 fn module_hash(name: &str, src: &str) -> String {
-    let mut all = Vec::new();
-    all.extend_from_slice(name.as_bytes());
-    all.push(0);
-    all.extend_from_slice(src.as_bytes());
-    for (n, t) in kernel_sources() {
-        if !n.ends_with(".cu") {
-            all.push(0);
-            all.extend_from_slice(n.as_bytes());
-            all.push(0);
-            all.extend_from_slice(t.as_bytes());
-        }
-    }
-    sha256_hex(&all)
+    flashplan_plan::format::kernel_module_hash(name, src, kernel_sources())
 }
 
 /// Whether a CUDA GPU can be used here: `Ok(name and compute capability)` or the reason it cannot.
@@ -302,28 +282,7 @@ impl CudaBackend {
             .get(&kind)
             .ok_or_else(|| BackendError::NoVariant(kind.name()))?;
         let body = &self.body;
-        let (s, w) = kind.shape();
-        if desc.streams.len() != s as usize || desc.tokens.len() != (s * w) as usize {
-            return Err(BackendError::BadDescriptor(format!(
-                "{}: {} streams and {} tokens given, {} and {} expected",
-                kind.name(),
-                desc.streams.len(),
-                desc.tokens.len(),
-                s,
-                s * w
-            )));
-        }
-        for sd in &desc.streams {
-            if sd.slot >= body.state.slots
-                || sd.rows > w
-                || (sd.pos + sd.rows) as u64 > body.state.context
-            {
-                return Err(BackendError::BadDescriptor(format!(
-                    "{}: stream {sd:?} out of range",
-                    kind.name()
-                )));
-            }
-        }
+        crate::backend::check_desc(body.as_ref(), kind, desc)?;
         Ok(idx)
     }
 
