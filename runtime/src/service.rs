@@ -391,15 +391,7 @@ impl Service {
         &self,
         req: GenRequest,
     ) -> Result<tmpsc::UnboundedReceiver<StreamEvent>, SubmitError> {
-        let (etx, erx) = tmpsc::unbounded_channel();
-        let (rtx, rrx) = oneshot::channel();
-        self.tx
-            .send(Cmd::Submit {
-                req: Box::new(req),
-                events: etx,
-                reply: rtx,
-            })
-            .map_err(|_| SubmitError::Stopped)?;
+        let (erx, rrx) = self.send_submit(req)?;
         rrx.await.map_err(|_| SubmitError::Stopped)??;
         Ok(erx)
     }
@@ -412,6 +404,23 @@ impl Service {
         &self,
         req: GenRequest,
     ) -> Result<tmpsc::UnboundedReceiver<StreamEvent>, SubmitError> {
+        let (erx, rrx) = self.send_submit(req)?;
+        rrx.blocking_recv().map_err(|_| SubmitError::Stopped)??;
+        Ok(erx)
+    }
+
+    /// Sends a request to the engine thread: its event channel and the channel of the engine's verdict.
+    #[allow(clippy::type_complexity)]
+    fn send_submit(
+        &self,
+        req: GenRequest,
+    ) -> Result<
+        (
+            tmpsc::UnboundedReceiver<StreamEvent>,
+            oneshot::Receiver<Result<(), SubmitError>>,
+        ),
+        SubmitError,
+    > {
         let (etx, erx) = tmpsc::unbounded_channel();
         let (rtx, rrx) = oneshot::channel();
         self.tx
@@ -421,8 +430,7 @@ impl Service {
                 reply: rtx,
             })
             .map_err(|_| SubmitError::Stopped)?;
-        rrx.blocking_recv().map_err(|_| SubmitError::Stopped)??;
-        Ok(erx)
+        Ok((erx, rrx))
     }
 
     /// Asks the engine thread to stop after the current step (live streams are dropped).
