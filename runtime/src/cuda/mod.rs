@@ -82,6 +82,41 @@ pub fn probe_gpu() -> Result<String, String> {
     ))
 }
 
+/// Checks that a plan can run on this machine's GPU: a CUDA arch, kernel modules built from this runtime's kernel
+/// sources, and a usable GPU. Returns the arch as (major, minor).
+fn check_plan(body: &PlanBody) -> Result<(i32, i32), BackendError> {
+    let arch = body.options.arch.clone();
+    let want = parse_arch(&arch).ok_or_else(|| {
+        BackendError::Device(format!(
+            "the plan is for arch `{arch}`, not a CUDA arch: compile the plans with --arch sm_90a"
+        ))
+    })?;
+    if body.kernels.is_empty() {
+        return Err(BackendError::Device(
+            "the plan carries no kernel modules: recompile it for a CUDA arch".into(),
+        ));
+    }
+    for m in &body.kernels {
+        let file = format!("{}.cu", m.name);
+        let src = kernel_sources()
+            .iter()
+            .find(|(n, _)| *n == file)
+            .map(|(_, s)| *s);
+        match src {
+            Some(s) if module_hash(&file, s) == m.source_hash => {}
+            _ => {
+                return Err(BackendError::Device(format!(
+                "plan mismatch: kernel module `{}` was built from other kernel sources than this \
+                     runtime's; recompile the plans",
+                m.name
+            )))
+            }
+        }
+    }
+    probe_gpu().map_err(BackendError::Device)?;
+    Ok(want)
+}
+
 fn dev_err(what: &str) -> impl Fn(result::DriverError) -> BackendError + '_ {
     move |e| BackendError::Device(format!("{what}: {e}"))
 }
@@ -153,35 +188,7 @@ impl CudaBackend {
         body: Arc<PlanBody>,
         weights: &[Option<Vec<f32>>],
     ) -> Result<CudaBackend, BackendError> {
-        let arch = body.options.arch.clone();
-        let want = parse_arch(&arch).ok_or_else(|| {
-            BackendError::Device(format!(
-                "the plan is for arch `{arch}`, not a CUDA arch: compile the plans with --arch sm_90a"
-            ))
-        })?;
-        if body.kernels.is_empty() {
-            return Err(BackendError::Device(
-                "the plan carries no kernel modules: recompile it for a CUDA arch".into(),
-            ));
-        }
-        for m in &body.kernels {
-            let file = format!("{}.cu", m.name);
-            let src = kernel_sources()
-                .iter()
-                .find(|(n, _)| *n == file)
-                .map(|(_, s)| *s);
-            match src {
-                Some(s) if module_hash(&file, s) == m.source_hash => {}
-                _ => {
-                    return Err(BackendError::Device(format!(
-                        "plan mismatch: kernel module `{}` was built from other kernel sources than this \
-                         runtime's; recompile the plans",
-                        m.name
-                    )))
-                }
-            }
-        }
-        probe_gpu().map_err(BackendError::Device)?;
+        let want = check_plan(&body)?;
         // Upload in bf16, converted here (the GPU thread only copies).
         let mut bf: Vec<Option<Vec<u16>>> = Vec::with_capacity(weights.len());
         for w in weights {
@@ -203,18 +210,7 @@ impl CudaBackend {
         body: Arc<PlanBody>,
         weights: Vec<Option<Vec<u16>>>,
     ) -> Result<CudaBackend, BackendError> {
-        let arch = body.options.arch.clone();
-        let want = parse_arch(&arch).ok_or_else(|| {
-            BackendError::Device(format!(
-                "the plan is for arch `{arch}`, not a CUDA arch: compile the plans with --arch sm_90a"
-            ))
-        })?;
-        if body.kernels.is_empty() {
-            return Err(BackendError::Device(
-                "the plan carries no kernel modules: recompile it for a CUDA arch".into(),
-            ));
-        }
-        probe_gpu().map_err(BackendError::Device)?;
+        let want = check_plan(&body)?;
         Self::start(body, weights, want)
     }
 
