@@ -376,41 +376,7 @@ fn copy_prompt(t: &tokenizers::Tokenizer) -> Vec<u32> {
 }
 
 fn stream_prompts(t: &tokenizers::Tokenizer) -> Vec<Vec<u32>> {
-    [
-        "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n",
-        "import json\n\n\ndef load(path):\n",
-        "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
-        "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1, 2",
-        "# Utilities for parsing command line options\nimport argparse\n",
-        "for key, value in sorted(mapping.items()):\n",
-        "def fib(n):\n    if n < 2:\n        return n\n",
-        "try:\n    import numpy as np\nexcept ImportError:\n",
-    ]
-    .iter()
-    .map(|s| encode(t, s))
-    .collect()
-}
-
-fn stream_request(prompt: &[u32], i: usize, sampled: bool) -> Request {
-    let sampling = if sampled {
-        SamplingParams {
-            temperature: 0.9,
-            top_k: 50,
-            top_p: 0.95,
-            min_p: 0.0,
-            seed: 1000 + i as u64,
-        }
-    } else {
-        SamplingParams::greedy()
-    };
-    Request {
-        prompt: prompt.to_vec(),
-        max_tokens: 20 + (i as u32 * 7) % 17,
-        sampling,
-        stop_token_ids: vec![],
-        ignore_eos: false,
-        draft: true,
-    }
+    STREAM_TEXTS.iter().map(|s| encode(t, s)).collect()
 }
 
 fn speed(m: &mut Models, t: &tokenizers::Tokenizer, rep: &mut Report) {

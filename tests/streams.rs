@@ -6,9 +6,8 @@ mod common;
 use std::collections::HashMap;
 
 use common::*;
-use flashplan_plan::SamplingParams;
 use flashplan_runtime::cpu::CpuBackend;
-use flashplan_runtime::engine::{Engine, EngineOptions, Event, Request};
+use flashplan_runtime::engine::{Engine, EngineOptions, Event};
 
 fn engine(parallel: u32) -> Engine<CpuBackend> {
     let dir = root().join("models/flashnext-tiny");
@@ -28,46 +27,14 @@ fn engine(parallel: u32) -> Engine<CpuBackend> {
 fn prompts(n: usize) -> Vec<Vec<u32>> {
     let tok = tokenizers::Tokenizer::from_file(root().join("models/flashnext-tiny/tokenizer.json"))
         .expect("tokenizer");
-    let texts = [
-        "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n",
-        "import json\n\n\ndef load(path):\n",
-        "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
-        "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1, 2",
-        "# Utilities for parsing command line options\nimport argparse\n",
-        "for key, value in sorted(mapping.items()):\n",
-        "def fib(n):\n    if n < 2:\n        return n\n",
-        "try:\n    import numpy as np\nexcept ImportError:\n",
-    ];
     (0..n)
         .map(|i| {
-            tok.encode(texts[i % texts.len()], false)
+            tok.encode(STREAM_TEXTS[i % STREAM_TEXTS.len()], false)
                 .expect("encode")
                 .get_ids()
                 .to_vec()
         })
         .collect()
-}
-
-fn request(prompt: &[u32], i: usize, sampled: bool) -> Request {
-    let sampling = if sampled {
-        SamplingParams {
-            temperature: 0.9,
-            top_k: 50,
-            top_p: 0.95,
-            min_p: 0.0,
-            seed: 1000 + i as u64,
-        }
-    } else {
-        SamplingParams::greedy()
-    };
-    Request {
-        prompt: prompt.to_vec(),
-        max_tokens: 20 + (i as u32 * 7) % 17,
-        sampling,
-        stop_token_ids: vec![],
-        ignore_eos: false,
-        draft: true,
-    }
 }
 
 fn replies(events: Vec<Event>) -> HashMap<u64, Vec<u32>> {
@@ -87,7 +54,7 @@ fn solo_replies(ps: &[Vec<u32>], sampled: bool) -> Vec<Vec<u32>> {
     ps.iter()
         .enumerate()
         .map(|(i, p)| {
-            let id = e.submit(request(p, i, sampled)).expect("submit");
+            let id = e.submit(stream_request(p, i, sampled)).expect("submit");
             replies(e.run_to_completion())
                 .remove(&id)
                 .unwrap_or_default()
@@ -103,7 +70,10 @@ fn concurrent_equals_solo() {
         for n in [2usize, 4, 8, 16] {
             let mut e = engine(n as u32);
             let ids: Vec<u64> = (0..n)
-                .map(|i| e.submit(request(&ps[i], i, sampled)).expect("submit"))
+                .map(|i| {
+                    e.submit(stream_request(&ps[i], i, sampled))
+                        .expect("submit")
+                })
                 .collect();
             let got = replies(e.run_to_completion());
             for (i, id) in ids.iter().enumerate() {
@@ -129,7 +99,10 @@ fn streams_joining_and_leaving_mid_reply() {
     // wait in the queue and join as others leave.
     for step in 0.. {
         if next < ps.len() && step % 3 == 0 {
-            ids.push(e.submit(request(&ps[next], next, false)).expect("submit"));
+            ids.push(
+                e.submit(stream_request(&ps[next], next, false))
+                    .expect("submit"),
+            );
             next += 1;
         }
         events.extend(e.step());
@@ -152,12 +125,12 @@ fn cancelled_stream_frees_its_slot_without_disturbing_others() {
     let ps = prompts(3);
     let solo = solo_replies(&ps, false);
     let mut e = engine(2);
-    let a = e.submit(request(&ps[0], 0, false)).expect("submit");
-    let b = e.submit(request(&ps[1], 1, false)).expect("submit");
+    let a = e.submit(stream_request(&ps[0], 0, false)).expect("submit");
+    let b = e.submit(stream_request(&ps[1], 1, false)).expect("submit");
     let mut events = e.step();
     events.extend(e.step());
     e.cancel(b);
-    let c = e.submit(request(&ps[2], 2, false)).expect("submit");
+    let c = e.submit(stream_request(&ps[2], 2, false)).expect("submit");
     events.extend(e.run_to_completion());
     let got = replies(events);
     assert_eq!(got.get(&a), Some(&solo[0]));

@@ -93,3 +93,43 @@ pub fn argmax(row: &[f32]) -> u32 {
     }
     best as u32
 }
+
+/// Prompt texts of different lengths and kinds (some copy-friendly, some fresh) for the streams checks.
+pub const STREAM_TEXTS: [&str; 8] = [
+    "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n",
+    "import json\n\n\ndef load(path):\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1, 2",
+    "# Utilities for parsing command line options\nimport argparse\n",
+    "for key, value in sorted(mapping.items()):\n",
+    "def fib(n):\n    if n < 2:\n        return n\n",
+    "try:\n    import numpy as np\nexcept ImportError:\n",
+];
+
+/// Request `i` of the streams checks: greedy, or sampled (T 0.9, top-k 50, top-p 0.95, seed 1000 + i), with a
+/// reply length that differs per stream so streams leave at different rounds.
+pub fn stream_request(
+    prompt: &[u32],
+    i: usize,
+    sampled: bool,
+) -> flashplan_runtime::engine::Request {
+    let sampling = if sampled {
+        flashplan_plan::SamplingParams {
+            temperature: 0.9,
+            top_k: 50,
+            top_p: 0.95,
+            min_p: 0.0,
+            seed: 1000 + i as u64,
+        }
+    } else {
+        flashplan_plan::SamplingParams::greedy()
+    };
+    flashplan_runtime::engine::Request {
+        prompt: prompt.to_vec(),
+        max_tokens: 20 + (i as u32 * 7) % 17,
+        sampling,
+        stop_token_ids: vec![],
+        ignore_eos: false,
+        draft: true,
+    }
+}
