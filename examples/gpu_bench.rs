@@ -1,27 +1,76 @@
-//! Plain-decode benchmark on the GPU (issue 4, item 5): the real config's widths (`configs/flash-next.json`) with
-//! fewer layers (default 4: 3 GDN + 1 attention, PLE on layer index 1, a small PLE table), synthetic BF16 weights
-//! generated on the host (random signs and mantissas, magnitude ~1/sqrt(fan-in); router rows random, so routing
-//! spreads over the experts as a trained router's would), context 4096, one stream.
+//! Plain-decode benchmark on the GPU (issues 4, 5, 6 and 8): the real config's widths (`configs/flash-next.json`)
+//! with fewer layers (default 4: 3 GDN + 1 attention, PLE on layer index 1, a small PLE table), synthetic BF16
+//! weights generated on the host (random signs and mantissas, magnitude ~1/sqrt(fan-in); router rows random, so
+//! routing spreads over the experts as a trained router's would), context 4096, rounds at position 4079.
 //!
-//! For the lone windows of 1, 2, 4, 8 and 16 rows (and verify-s1 with `--verify`): median replay time with CUDA
-//! events (after warm-up), bytes a replay must move (dense weights read by its nodes + the distinct routed experts
-//! its router picked, read back from the device + GDN state read and written once), achieved bandwidth against
-//! 4.25 TB/s, and the graph overhead: replay time minus the sum of the nodes' times, each node launched alone
-//! outside the graph (best of three, CUDA events around each launch).
+//! Default (issue 4): for the lone windows of 1, 2, 4, 8 and 16 rows (and verify-s1 with `--verify`): median replay
+//! time with CUDA events (after warm-up), bytes a replay must move (dense weights read by its nodes + the distinct
+//! routed experts its router picked, read back from the device + GDN state read and written once), achieved
+//! bandwidth against 4.25 TB/s, and the graph overhead: replay time minus the sum of the nodes' times as
+//! `CudaBackend::bench` measures each node; per layer and extrapolated to 48 layers; the largest kernels of
+//! lone-w1 and lone-w16.
+//!
+//! Routing read-back: the compiler's arena lets later nodes reuse a router's ids buffer once the layer's experts
+//! have run (3 of the 4 routers of every lone variant, the MTP step's only one), so a read-back after the replay
+//! would not give each layer's routing. The bench therefore moves every router's ids buffer to its own arena space
+//! past the variant's arena before uploading the plans (nothing else moves), reads the ids after one more full
+//! replay (the per-node timing repeats single nodes, which drifts in-place state), and checks every id is an
+//! expert index.
+//!
+//! Byte floors of the new tables (`--streams`, `--windows`): bytes / 4.25 TB/s (the H200's measured device copy
+//! bandwidth, `architecture.md`), where bytes = the dense weights the variant's nodes read (every weight but the
+//! routed experts; embeddings and the PLE table count only the gathered rows) + the distinct routed experts per
+//! MoE layer over all of the round's rows (read back from the device router's ids after the replay) x one expert's
+//! bytes + every stream's recurrent state (GDN recurrent and conv state, PLE history and conv tail, as the device
+//! stores them: 4 bytes per element) read once and written once. Not in the floor: attention K/V cache and QSA
+//! indexer-key reads and writes (they grow with the context), activations and scratch, the logits (`rows x vocab x
+//! 4` bytes written by lm_head and read by sampling), the round descriptor. "48-layer est." columns scale the
+//! layers' part of time and floor by 48 / layers and keep the head's (embedding, final mixer, lm_head, sampling;
+//! its time from the per-node times, plus its share of the graph overhead) once, as the issue-4 table does.
+//!
+//! - `--streams` (issue 6): verify-sS-w1 for S = 1, 2, 4, 8, 16 (each stream on its own slot, its own token, so
+//!   routing differs) and lone-w1: aggregate tokens/s = S / replay time next to the round's floor; the 16-stream
+//!   round should run within 1.5x of its floor, and lone-w1 at least as fast as verify-s1-w1. The plans are then
+//!   compiled for streams [1, 2, 4, 8, 16] (16 slots).
+//! - `--windows` (issue 5): lone-wR for R = 1, 2, 4, 8, 12, 16 against its floor (target 1.3x), and the speed-up
+//!   of a round keeping 12 tokens over plain decoding: 12 x time(lone-w1) / time(lone-wR), with R = 12 (the
+//!   smallest window that can keep 12 tokens) and R = 16 (the depth-15 window), target 1.5x.
+//! - `--drafter` (issue 8): after the tables above (their backend dropped), a second backend holding only what
+//!   the MTP steps read (`embed_tokens`, `lm_head`, the drafter as a checkpoint stores it: BF16 values, and its
+//!   MXFP8 re-coded copies), built like the loader's: f32 host tensors into `CudaBackend::new`, which keeps the
+//!   MXFP8 weights that only `Linear` nodes read as codes and scales on the device. The re-coded values come from
+//!   the runtime's `flashplan_runtime::mxfp8::quantize` / `dequantize` (what `derive_drafter_weights` computes,
+//!   split over threads; checked bit for bit against `derive_drafter_weights` on the drafter's linears of up to
+//!   8 M values before use). Per form (`checkpoint`, `mxfp8`, `mxfp8-head`): the main-model input row written
+//!   directly (random values), mtp-absorb-s1-w1, then mtp-chain-s1 (one chained draft step) timed: time, bytes
+//!   (each weight as the device holds it: MXFP8 codes + 1 scale byte per 32 for the weights
+//!   `flashplan_runtime::mxfp8::device_mxfp8_weights` flags, BF16 for the rest; the distinct routed experts;
+//!   `lm_head` BF16 or its MXFP8 copy), GB/s and the ratios to `checkpoint`; also the bytes with every MXFP8
+//!   manifest entry as codes + scales (what a path that also kept experts and hyper-connection weights in MXFP8
+//!   would read).
 //!
 //! Usage (the H200 has no NVRTC: the cubins come from `FLASHPLAN_KERNEL_CACHE`, see `scripts/gpu_bench.sh`):
-//! `gpu_bench [--layers N] [--iters N] [--verify] [--list]`. `--list` prints the node list and bytes without a GPU.
+//! `gpu_bench [--layers N] [--iters N] [--verify] [--streams] [--windows] [--drafter] [--all] [--list]`.
+//! `--all` = `--verify --streams --windows --drafter`. `--list` needs no GPU: it prints the node list and bytes,
+//! and for the chosen tables their byte counts (the distinct experts bounded: top-k per MoE layer when every row
+//! routes alike, `min(rows x top-k, experts)` when no two rows share an expert; exact for one row).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use flashplan_plan::{
-    CompileOptions, LayerKind, ModelConfig, Op, PlanBody, RoundDesc, SamplingParams, StreamDesc,
-    VariantKind,
+    CompileOptions, DrafterForm, LayerKind, ModelConfig, Op, PlanBody, RoundDesc, SamplingParams,
+    Space, StateKind, StreamDesc, VariantKind, WeightGroup,
 };
-use flashplan_runtime::cuda::CudaBackend;
+use flashplan_runtime::backend::Backend;
+use flashplan_runtime::cuda::{BenchResult, CudaBackend};
+use flashplan_runtime::mxfp8;
 
 const BW: f64 = 4.25e12;
+/// Stream counts of the issue-6 table.
+const STREAMS: [u32; 5] = [1, 2, 4, 8, 16];
+/// Windows of the issue-5 table.
+const WINDOWS: [u32; 6] = [1, 2, 4, 8, 12, 16];
 
 fn config(layers: usize) -> anyhow::Result<ModelConfig> {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/flash-next.json");
@@ -43,12 +92,15 @@ fn mix(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+fn threads() -> usize {
+    std::thread::available_parallelism().map_or(8, |n| n.get())
+}
+
 /// Random BF16 values: random sign and mantissa, exponent chosen so |w| lies in [2^e, 2^(e+1)).
 fn random_bf16(n: usize, seed: u64, e: i32) -> Vec<u16> {
     let mut out = vec![0u16; n];
     let exp = ((127 + e).clamp(1, 254) as u16) << 7;
-    let threads = std::thread::available_parallelism().map_or(8, |n| n.get());
-    let chunk = n.div_ceil(threads).max(1 << 16).div_ceil(4) * 4;
+    let chunk = n.div_ceil(threads()).max(1 << 16).div_ceil(4) * 4;
     std::thread::scope(|s| {
         for (ci, part) in out.chunks_mut(chunk).enumerate() {
             s.spawn(move || {
@@ -66,50 +118,223 @@ fn random_bf16(n: usize, seed: u64, e: i32) -> Vec<u16> {
     out
 }
 
+/// The synthetic BF16 values of manifest entry `i` (stored forms only; re-coded copies come from [`mxfp8_values`]).
+fn gen_weight(body: &PlanBody, i: usize) -> Vec<u16> {
+    let w = &body.weights[i];
+    let fan_in = if w.shape.len() >= 2 {
+        *w.shape.last().unwrap() as f64
+    } else {
+        1024.0
+    };
+    // |w| ~ 1/sqrt(fan-in) (norm weights, biases: small).
+    let e = (-(fan_in.sqrt()).log2()).floor() as i32;
+    random_bf16(w.numel() as usize, mix(i as u64 + 17) ^ 0x5eed, e)
+}
+
+/// Whether entry `i` is a re-coded drafter copy (`#mxfp8`).
+fn is_recoded(body: &PlanBody, i: usize) -> bool {
+    matches!(
+        body.weights[i].group,
+        WeightGroup::MtpMxfp8 | WeightGroup::HeadMxfp8
+    )
+}
+
+/// The main model's weights as BF16 (the drafter's and the re-coded copies are not loaded).
 fn synthetic_weights(body: &PlanBody) -> Vec<Option<Vec<u16>>> {
-    body.weights
-        .iter()
-        .enumerate()
-        .map(|(i, w)| {
-            if w.name.starts_with("mtp.") || w.name.contains('#') {
-                return None;
-            }
-            let fan_in = if w.shape.len() >= 2 {
-                *w.shape.last().unwrap() as f64
-            } else {
-                1024.0
-            };
-            // |w| ~ 1/sqrt(fan-in) (norm weights, biases: small).
-            let e = (-(fan_in.sqrt()).log2()).floor() as i32;
-            Some(random_bf16(
-                w.numel() as usize,
-                mix(i as u64 + 17) ^ 0x5eed,
-                e,
-            ))
+    (0..body.weights.len())
+        .map(|i| {
+            let skip = is_recoded(body, i) || body.weights[i].group == WeightGroup::Mtp;
+            (!skip).then(|| gen_weight(body, i))
         })
         .collect()
 }
 
-fn desc(rows: u32, window: u32, pos: u32, seed: u64) -> RoundDesc {
-    let tokens = (0..window)
-        .map(|i| (mix(seed + i as u64) % 200_000) as u32)
+/// BF16 bit patterns as f32 (exact), over threads.
+fn bf16_to_f32(v: &[u16]) -> Vec<f32> {
+    let mut out = vec![0f32; v.len()];
+    let per = v.len().div_ceil(threads()).max(1 << 16);
+    std::thread::scope(|s| {
+        for (o, x) in out.chunks_mut(per).zip(v.chunks(per)) {
+            s.spawn(move || {
+                for (o, b) in o.iter_mut().zip(x) {
+                    *o = half::bf16::from_bits(*b).to_f32();
+                }
+            });
+        }
+    });
+    out
+}
+
+/// The weights the MTP steps read (absorb and chain, every drafter form): the drafter as a checkpoint stores it
+/// (BF16 values), `embed_tokens`, `lm_head` and the MXFP8 re-coded copies, as f32 host tensors the way the loader
+/// and `derive_drafter_weights` hand them to `CudaBackend::new`. Everything else is not loaded.
+fn drafter_weights(body: &PlanBody) -> anyhow::Result<Vec<Option<Vec<f32>>>> {
+    let mut need = BTreeSet::new();
+    for form in DrafterForm::ALL {
+        for kind in [
+            VariantKind::MtpChain { streams: 1, form },
+            VariantKind::MtpAbsorb {
+                streams: 1,
+                window: 1,
+                form,
+            },
+        ] {
+            let v = body
+                .variant(kind)
+                .ok_or_else(|| anyhow::anyhow!("the plans have no {}", kind.name()))?;
+            for n in &v.nodes {
+                need.extend(n.op.weights().into_iter().map(|w| w.0 as usize));
+            }
+        }
+    }
+    let mut out: Vec<Option<Vec<f32>>> = vec![None; body.weights.len()];
+    for &i in need.iter().filter(|&&i| !is_recoded(body, i)) {
+        out[i] = Some(bf16_to_f32(&gen_weight(body, i)));
+    }
+    for &i in need.iter().filter(|&&i| is_recoded(body, i)) {
+        let w = &body.weights[i];
+        let src = w
+            .source
+            .ok_or_else(|| anyhow::anyhow!("{} has no source entry", w.name))?
+            as usize;
+        let values = match &out[src] {
+            Some(v) => mxfp8_values(v, &w.shape)?,
+            None => mxfp8_values(&bf16_to_f32(&gen_weight(body, src)), &w.shape)?,
+        };
+        out[i] = Some(values);
+    }
+    Ok(out)
+}
+
+/// `(rows, cols)` of a logical shape as `mxfp8::derive_drafter_weights` re-codes it: the last dimension is the
+/// input dimension, every other one is folded into rows.
+fn matrix_dims(shape: &[u64]) -> (usize, usize) {
+    match shape {
+        [] => (1, 1),
+        [rest @ .., last] => (rest.iter().product::<u64>() as usize, *last as usize),
+    }
+}
+
+/// The values of the MXFP8 re-coding of `src` (`flashplan_runtime::mxfp8::quantize` then `dequantize`: the
+/// computation `derive_drafter_weights` does, split by rows over threads, which changes nothing since scale groups
+/// never span rows).
+fn mxfp8_values(src: &[f32], shape: &[u64]) -> anyhow::Result<Vec<f32>> {
+    let (rows, cols) = matrix_dims(shape);
+    anyhow::ensure!(rows * cols == src.len(), "MXFP8 copy of {shape:?}");
+    let mut out = vec![0f32; src.len()];
+    let per = rows.div_ceil(threads()).max(1) * cols;
+    std::thread::scope(|s| {
+        for (o, x) in out.chunks_mut(per).zip(src.chunks(per)) {
+            s.spawn(move || {
+                let q = mxfp8::quantize(x, x.len() / cols, cols);
+                o.copy_from_slice(&mxfp8::dequantize(&q));
+            });
+        }
+    });
+    Ok(out)
+}
+
+/// Checks [`mxfp8_values`] against the runtime's `derive_drafter_weights` on every re-coded drafter entry of at most
+/// 8 M values (all but the stacked experts); returns (entries, values) compared.
+fn check_mxfp8_values(body: &PlanBody) -> anyhow::Result<(usize, usize)> {
+    let small: Vec<usize> = (0..body.weights.len())
+        .filter(|&i| body.weights[i].group == WeightGroup::MtpMxfp8)
+        .filter(|&i| body.weights[i].numel() <= 8 << 20)
+        .collect();
+    let mut tensors: Vec<Option<Vec<f32>>> = vec![None; body.weights.len()];
+    for &i in &small {
+        let src = body.weights[i]
+            .source
+            .expect("re-coded entries name a source") as usize;
+        tensors[src] = Some(bf16_to_f32(&gen_weight(body, src)));
+    }
+    let sources = tensors.clone();
+    mxfp8::derive_drafter_weights(body, &mut tensors, DrafterForm::Mxfp8);
+    let mut values = 0;
+    for &i in &small {
+        let w = &body.weights[i];
+        let src = w.source.expect("re-coded entries name a source") as usize;
+        let mine = mxfp8_values(sources[src].as_deref().unwrap_or(&[]), &w.shape)?;
+        let theirs = tensors[i]
+            .as_ref()
+            .ok_or_else(|| anyhow::anyhow!("derive_drafter_weights left {} empty", w.name))?;
+        anyhow::ensure!(
+            mine.len() == theirs.len()
+                && mine
+                    .iter()
+                    .zip(theirs)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{}: the bench's MXFP8 copy differs from derive_drafter_weights",
+            w.name
+        );
+        values += mine.len();
+    }
+    Ok((small.len(), values))
+}
+
+/// One round: `streams` streams of `window` real rows, stream `i` on slot `i` at `pos`, each with its own tokens
+/// (stream 0's are the issue-4 table's).
+fn desc_streams(streams: u32, window: u32, pos: u32, seed: u64) -> RoundDesc {
+    let tokens = (0..streams as u64)
+        .flat_map(|i| (0..window as u64).map(move |j| (mix(seed + 7919 * i + j) % 200_000) as u32))
         .collect();
     RoundDesc {
-        streams: vec![StreamDesc {
-            slot: 0,
-            pos,
-            rows,
-            committed: pos,
-            src_row: 0,
-            sampling: SamplingParams::greedy(),
-        }],
+        streams: (0..streams)
+            .map(|i| StreamDesc {
+                slot: i,
+                pos,
+                rows: window,
+                committed: pos,
+                src_row: 0,
+                sampling: SamplingParams::greedy(),
+            })
+            .collect(),
         tokens,
     }
 }
 
-/// Bytes of dense weights the variant's nodes read (every weight but the routed experts and the gathered tables:
-/// embeddings read one row per token, the PLE table 16 rows of 160 per token), and the routers' nodes.
-fn dense_bytes(body: &PlanBody, kind: VariantKind, rows: u64) -> (u64, u64) {
+/// An MTP step of one stream on slot 0: one entry at `pos` with the next token, input row 0 of its source.
+fn desc_mtp(pos: u32, token: u32) -> RoundDesc {
+    RoundDesc {
+        streams: vec![StreamDesc {
+            slot: 0,
+            pos,
+            rows: 1,
+            committed: pos,
+            src_row: 0,
+            sampling: SamplingParams::greedy(),
+        }],
+        tokens: vec![token],
+    }
+}
+
+/// How a weight's bytes are counted.
+#[derive(Clone, Copy)]
+enum Acct<'a> {
+    /// 2 bytes per weight (every weight BF16 on the device).
+    Bf16,
+    /// As the manifest stores it: MXFP8 entries as codes and scales (1 byte per weight + 1 per 32), BF16 2 bytes.
+    Manifest,
+    /// As the CUDA backend holds it: MXFP8 codes and scales for the weights the runtime keeps as MXFP8
+    /// (`flashplan_runtime::mxfp8::device_mxfp8_weights`, one flag per manifest entry), BF16 for every other.
+    Device(&'a [bool]),
+}
+
+/// Bytes of one weight under an accounting.
+fn weight_bytes(body: &PlanBody, w: usize, acct: Acct) -> u64 {
+    let e = &body.weights[w];
+    match acct {
+        Acct::Bf16 => e.numel() * 2,
+        Acct::Manifest => e.bytes,
+        Acct::Device(mx) if mx.get(w).copied().unwrap_or(false) => e.bytes,
+        Acct::Device(_) => e.numel() * 2,
+    }
+}
+
+/// Bytes of the weights the variant's nodes read, each weight once (every weight but the routed experts and the
+/// gathered tables, which are returned apart: embeddings read one row per token, the PLE table `heads` rows of
+/// `head_dim` per token).
+fn dense_read(body: &PlanBody, kind: VariantKind, rows: u64, acct: Acct) -> (u64, u64) {
     let v = body.variant(kind).expect("variant");
     let mut dense = BTreeSet::new();
     let mut gathered = 0u64;
@@ -127,9 +352,67 @@ fn dense_bytes(body: &PlanBody, kind: VariantKind, rows: u64) -> (u64, u64) {
     }
     let d: u64 = dense
         .iter()
-        .map(|&w| body.weights[w as usize].numel() * 2)
+        .map(|&w| weight_bytes(body, w as usize, acct))
         .sum();
     (d, gathered)
+}
+
+/// Bytes of dense weights the variant's nodes read (every weight but the routed experts and the gathered tables:
+/// embeddings read one row per token, the PLE table 16 rows of 160 per token), and the gathered rows.
+fn dense_bytes(body: &PlanBody, kind: VariantKind, rows: u64) -> (u64, u64) {
+    dense_read(body, kind, rows, Acct::Bf16)
+}
+
+/// Bytes of one routed expert (gate, up and down) of the variant's first MoE layer.
+fn expert_bytes_of(body: &PlanBody, kind: VariantKind, acct: Acct) -> u64 {
+    let v = body.variant(kind).expect("variant");
+    v.nodes
+        .iter()
+        .find_map(|n| match &n.op {
+            Op::Experts { gate_up, down, .. } => {
+                let e = body.weights[gate_up.0 as usize].shape[0].max(1);
+                Some(
+                    (weight_bytes(body, gate_up.0 as usize, acct)
+                        + weight_bytes(body, down.0 as usize, acct))
+                        / e,
+                )
+            }
+            _ => None,
+        })
+        .unwrap_or(0)
+}
+
+/// MoE layers (router nodes) of a variant.
+fn moe_layers(body: &PlanBody, kind: VariantKind) -> u64 {
+    let v = body.variant(kind).expect("variant");
+    v.nodes
+        .iter()
+        .filter(|n| matches!(n.op, Op::Router { .. }))
+        .count() as u64
+}
+
+/// One stream's recurrent state as the device stores it (4 bytes per element), by kind: GDN recurrent, GDN conv,
+/// PLE history and conv tail. Read once and written once per round, so a round moves twice this per stream.
+fn recurrent_state(body: &PlanBody) -> Vec<(&'static str, u64)> {
+    let kinds = [
+        (StateKind::GdnRecurrent, "GDN recurrent"),
+        (StateKind::GdnConv, "GDN conv"),
+        (StateKind::PleHistory, "PLE history"),
+        (StateKind::PleTail, "PLE conv tail"),
+    ];
+    kinds
+        .iter()
+        .map(|(k, name)| {
+            let b = body
+                .state
+                .pieces
+                .iter()
+                .filter(|p| p.kind == *k)
+                .map(|p| p.elems() * p.elem.size().max(4))
+                .sum();
+            (*name, b)
+        })
+        .collect()
 }
 
 /// Nodes outside the layers (embedding, final norm, lm_head, sampling); commits belong to their layers' work.
@@ -158,6 +441,277 @@ fn layer_label(body: &PlanBody, n: &flashplan_plan::Node) -> String {
     }
 }
 
+/// The head's share of a replay: its time (its nodes' bench times, plus its nodes' share of the graph overhead) and
+/// the bytes of the weights its nodes read (embeddings excluded: they count as gathered rows).
+fn head_split(body: &PlanBody, kind: VariantKind, r: &BenchResult) -> (f64, u64) {
+    let v = body.variant(kind).expect("variant");
+    let sum: f64 = r.nodes_us.iter().sum();
+    let head: f64 = v
+        .nodes
+        .iter()
+        .zip(&r.nodes_us)
+        .filter(|(n, _)| is_head(n))
+        .map(|(_, t)| t)
+        .sum();
+    let per_node = (r.median_us - sum) / v.nodes.len() as f64;
+    let head_nodes = v.nodes.iter().filter(|n| is_head(n)).count() as f64;
+    let mut set = BTreeSet::new();
+    for n in v.nodes.iter().filter(|n| is_head(n)) {
+        if !matches!(n.op, Op::EmbedStreams { .. } | Op::Embed { .. }) {
+            set.extend(n.op.weights().into_iter().map(|w| w.0));
+        }
+    }
+    let head_bytes = set
+        .iter()
+        .map(|&w| body.weights[w as usize].numel() * 2)
+        .sum();
+    (head + per_node * head_nodes, head_bytes)
+}
+
+/// A replay's time and bytes extrapolated to 48 layers: the head once, the layers' part x 48 / layers.
+fn est48(layers: usize, t: f64, head_t: f64, bytes: u64, head_bytes: u64) -> (f64, f64) {
+    let k = 48.0 / layers as f64;
+    (
+        head_t + k * (t - head_t),
+        head_bytes as f64 + k * (bytes - head_bytes) as f64,
+    )
+}
+
+/// Router id buffers of a variant whose arena space a later node reuses (so a read-back after the replay would
+/// not give that layer's routing).
+fn overwritten_router_ids(v: &flashplan_plan::Variant) -> usize {
+    let life = flashplan_plan::validate::lifetimes(v);
+    let span = |b: usize| {
+        let d = &v.buffers[b];
+        (d.offset, d.offset + d.elems.max(1))
+    };
+    v.nodes
+        .iter()
+        .filter_map(|n| match &n.op {
+            Op::Router { ids, .. } => Some(ids.0 as usize),
+            _ => None,
+        })
+        .filter(|&ids| {
+            let (Some((_, last)), (lo, hi)) = (life[ids], span(ids)) else {
+                return false;
+            };
+            v.buffers[ids].space == Space::Arena
+                && (0..v.buffers.len()).any(|b| {
+                    let (o, e) = span(b);
+                    b != ids
+                        && v.buffers[b].space == Space::Arena
+                        && life[b].is_some_and(|(first, _)| first > last)
+                        && o < hi
+                        && lo < e
+                })
+        })
+        .count()
+}
+
+/// Gives every router's ids buffer its own arena space past the variant's arena (the compiler's arena reuses
+/// it after the layer's experts), so the ids read back after a replay are each MoE layer's routing. Bench-only:
+/// nothing else moves, the arena grows by a few KB.
+fn isolate_router_ids(body: &mut PlanBody) {
+    let align = |x: u64| {
+        x.div_ceil(flashplan_plan::validate::ARENA_ALIGN_ELEMS)
+            * flashplan_plan::validate::ARENA_ALIGN_ELEMS
+    };
+    for v in &mut body.variants {
+        let ids: Vec<usize> = v
+            .nodes
+            .iter()
+            .filter_map(|n| match &n.op {
+                Op::Router { ids, .. } => Some(ids.0 as usize),
+                _ => None,
+            })
+            .collect();
+        let mut end = align(v.arena_elems);
+        for b in ids {
+            if v.buffers[b].space == Space::Arena {
+                v.buffers[b].offset = end;
+                end = align(end + v.buffers[b].elems.max(1));
+            }
+        }
+        v.arena_elems = end;
+    }
+    body.arena_elems = body
+        .variants
+        .iter()
+        .map(|v| v.arena_elems)
+        .max()
+        .unwrap_or(0);
+}
+
+/// One measured variant: its timing and the distinct routed experts summed over its MoE layers.
+struct Meas {
+    r: BenchResult,
+    experts: u64,
+}
+
+/// Replays `kind` once (capture, warm-up), times it, and reads back the distinct experts each router picked over
+/// the round's rows. Cached by kind: every table uses the same descriptor for a kind.
+fn measure<'a>(
+    be: &mut CudaBackend,
+    body: &PlanBody,
+    cache: &'a mut BTreeMap<VariantKind, Meas>,
+    kind: VariantKind,
+    d: &RoundDesc,
+    iters: u32,
+) -> anyhow::Result<&'a Meas> {
+    if let std::collections::btree_map::Entry::Vacant(slot) = cache.entry(kind) {
+        let (s, w) = kind.shape();
+        let rows = s * w;
+        be.run(kind, d)?;
+        let r = be.bench(kind, d, iters)?;
+        // One more full replay: the bench's per-node timing repeats single nodes (in-place updates such as the
+        // residual stream's drift), so the routing is read after a whole round.
+        be.run(kind, d)?;
+        let v = body.variant(kind).expect("variant");
+        // Distinct experts per MoE layer, from the router ids the replay left (isolate_router_ids keeps them).
+        let mut experts = 0u64;
+        for n in &v.nodes {
+            if let Op::Router {
+                ids,
+                topk,
+                experts: e,
+                ..
+            } = &n.op
+            {
+                let ids = be.read_buffer(kind, *ids)?;
+                let set: BTreeSet<u32> = ids[..(rows * *topk) as usize]
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .collect();
+                anyhow::ensure!(
+                    set.iter().all(|&x| x < *e),
+                    "{}: router ids read back out of range: {set:?}",
+                    kind.name()
+                );
+                experts += set.len() as u64;
+            }
+        }
+        slot.insert(Meas { r, experts });
+    }
+    Ok(&cache[&kind])
+}
+
+/// A round's byte floor: dense weights, gathered rows, distinct routed experts, recurrent state read and written.
+struct Floor {
+    dense: u64,
+    gathered: u64,
+    experts: u64,
+    expert: u64,
+    state: u64,
+}
+
+impl Floor {
+    fn of(body: &PlanBody, kind: VariantKind, experts: u64, state_rw: u64) -> Floor {
+        let (s, w) = kind.shape();
+        let (dense, gathered) = dense_bytes(body, kind, (s * w) as u64);
+        Floor {
+            dense,
+            gathered,
+            experts,
+            expert: expert_bytes_of(body, kind, Acct::Bf16),
+            state: s as u64 * state_rw,
+        }
+    }
+    fn bytes(&self) -> u64 {
+        self.dense + self.gathered + self.experts * self.expert + self.state
+    }
+    fn us(&self) -> f64 {
+        self.bytes() as f64 / BW * 1e6
+    }
+}
+
+/// What one MTP step reads: the drafter's weights other than its routed experts and `lm_head`, the gathered
+/// embedding rows, `lm_head` (or its MXFP8 copy), and one routed expert.
+struct DraftBytes {
+    dense: u64,
+    gathered: u64,
+    head: u64,
+    expert: u64,
+}
+
+impl DraftBytes {
+    fn of(body: &PlanBody, kind: VariantKind, acct: Acct) -> DraftBytes {
+        let v = body.variant(kind).expect("variant");
+        let (s, w) = kind.shape();
+        let rows = (s * w) as u64;
+        let (mut dense, mut head) = (BTreeSet::new(), BTreeSet::new());
+        let mut gathered = 0;
+        for n in &v.nodes {
+            match &n.op {
+                Op::Experts { .. } => {}
+                Op::EmbedStreams { dim, .. } | Op::Embed { dim, .. } => {
+                    gathered += rows * *dim as u64 * 2
+                }
+                Op::Linear { w, .. } if body.weights[w.0 as usize].name.starts_with("lm_head.") => {
+                    head.insert(w.0);
+                }
+                op => dense.extend(op.weights().into_iter().map(|w| w.0)),
+            }
+        }
+        let sum = |set: &BTreeSet<u32>| -> u64 {
+            set.iter()
+                .map(|&w| weight_bytes(body, w as usize, acct))
+                .sum()
+        };
+        DraftBytes {
+            dense: sum(&dense),
+            gathered,
+            head: sum(&head),
+            expert: expert_bytes_of(body, kind, acct),
+        }
+    }
+    fn total(&self, experts: u64) -> u64 {
+        self.dense + self.gathered + self.head + experts * self.expert
+    }
+}
+
+fn mb(b: u64) -> f64 {
+    b as f64 / 1e6
+}
+
+fn verdict(ok: bool) -> &'static str {
+    if ok {
+        "pass"
+    } else {
+        "FAIL"
+    }
+}
+
+/// `--list`: a table's byte counts without a GPU, the distinct experts bounded (top-k per MoE layer when every
+/// row routes alike; `min(rows x top-k, experts)` when no two rows share one).
+fn list_floors(body: &PlanBody, kinds: &[VariantKind], state_rw: u64) {
+    let cfg = &body.config;
+    println!("| variant | rows | dense MB | gathered KB | state r+w MB | distinct experts (low..high) | floor MB (low..high) | floor us at 4.25 TB/s (low..high) |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for &kind in kinds {
+        let (s, w) = kind.shape();
+        let rows = (s * w) as u64;
+        let layers = moe_layers(body, kind);
+        let k = cfg.num_experts_per_tok as u64;
+        let lo = layers * k;
+        let hi = layers * (rows * k).min(cfg.num_experts as u64);
+        let (fl, fh) = (
+            Floor::of(body, kind, lo, state_rw),
+            Floor::of(body, kind, hi, state_rw),
+        );
+        println!(
+            "| {} | {rows} | {:.1} | {:.1} | {:.1} | {lo}..{hi} | {:.1}..{:.1} | {:.1}..{:.1} |",
+            kind.name(),
+            mb(fl.dense),
+            fl.gathered as f64 / 1e3,
+            mb(fl.state),
+            mb(fl.bytes()),
+            mb(fh.bytes()),
+            fl.us(),
+            fh.us()
+        );
+    }
+}
+
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let arg = |k: &str| {
@@ -166,21 +720,35 @@ fn main() -> anyhow::Result<()> {
             .and_then(|i| args.get(i + 1))
             .and_then(|v| v.parse::<u32>().ok())
     };
+    let flag = |k: &str| args.iter().any(|a| a == k);
     let layers = arg("--layers").unwrap_or(4) as usize;
     let iters = arg("--iters").unwrap_or(200);
-    let list = args.iter().any(|a| a == "--list");
-    let verify = args.iter().any(|a| a == "--verify");
+    let list = flag("--list");
+    let all = flag("--all");
+    let verify = all || flag("--verify");
+    let streams_t = all || flag("--streams");
+    let windows_t = all || flag("--windows");
+    let drafter_t = all || flag("--drafter");
     let cfg = config(layers)?;
     let opts = CompileOptions {
         arch: if list { "cpu".into() } else { "sm_90a".into() },
         max_depth: 15,
-        streams: vec![1],
+        streams: if streams_t { STREAMS.to_vec() } else { vec![1] },
         context: 4096,
         prefill_chunk: 16,
     };
-    let body = Arc::new(
-        flashplan_compiler::compile(&cfg, &opts, &Default::default(), "bench", |_, _| {})?.body,
-    );
+    let mut body =
+        flashplan_compiler::compile(&cfg, &opts, &Default::default(), "bench", |_, _| {})?.body;
+    let clobbered: usize = body.variants.iter().map(overwritten_router_ids).sum();
+    let routers: usize = body
+        .variants
+        .iter()
+        .flat_map(|v| &v.nodes)
+        .filter(|n| matches!(n.op, Op::Router { .. }))
+        .count();
+    isolate_router_ids(&mut body);
+    let left: usize = body.variants.iter().map(overwritten_router_ids).sum();
+    let body = Arc::new(body);
     let windows = [1u32, 2, 4, 8, 16];
     let kinds: Vec<VariantKind> = windows
         .iter()
@@ -195,16 +763,7 @@ fn main() -> anyhow::Result<()> {
                 }),
         )
         .collect();
-    let expert_bytes = |kind: VariantKind| -> u64 {
-        let v = body.variant(kind).unwrap();
-        v.nodes
-            .iter()
-            .find_map(|n| match &n.op {
-                Op::Experts { dim, inter, .. } => Some(3 * *dim as u64 * *inter as u64 * 2),
-                _ => None,
-            })
-            .unwrap_or(0)
-    };
+    let expert_bytes = |kind: VariantKind| expert_bytes_of(&body, kind, Acct::Bf16);
     let gdn_layers = (0..layers)
         .filter(|&l| cfg.layer_types[l] == LayerKind::Gdn)
         .count() as u64;
@@ -245,6 +804,113 @@ fn main() -> anyhow::Result<()> {
             gdn_state as f64 / (1 << 20) as f64
         );
     }
+    {
+        use flashplan_plan::IoBuf::*;
+        let io: u64 = [MainStreams, MtpStreams, Logits, Sampled, Probs, Keep]
+            .iter()
+            .map(|b| body.io.elems(*b, &cfg) * 4)
+            .sum();
+        println!(
+            "plans: streams {:?}, {} variants; device buffers besides the weights: arena {:.1} MB, io {:.1} MB, {} slots x {:.1} MB (f32 state)",
+            body.options.streams,
+            body.variants.len(),
+            mb(body.arena_elems * 4),
+            mb(io),
+            body.state.slots,
+            mb(body.state.slot_elems * 4)
+        );
+    }
+    println!(
+        "router ids: {clobbered} of {routers} (all variants) have arena space a later node reuses; moved to their own \
+         space for the read-back ({left} left)"
+    );
+    // The new tables' floors count every stream's recurrent state, read once and written once.
+    let state = recurrent_state(&body);
+    let state_rw = 2 * state.iter().map(|s| s.1).sum::<u64>();
+    if streams_t || windows_t {
+        println!(
+            "recurrent state per stream (read + written = {:.2} MB): {}; KV caches, indexer keys, activations and logits are not in the floors",
+            mb(state_rw),
+            state
+                .iter()
+                .map(|(n, b)| if *b >= 1000 {
+                    format!("{n} {:.1} KB", *b as f64 / 1e3)
+                } else {
+                    format!("{n} {b} B")
+                })
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    if list && streams_t {
+        println!("\nstreams (issue 6), bytes per round:");
+        let kinds: Vec<VariantKind> = STREAMS
+            .iter()
+            .map(|&s| VariantKind::Verify {
+                streams: s,
+                window: 1,
+            })
+            .chain([VariantKind::Lone { window: 1 }])
+            .collect();
+        list_floors(&body, &kinds, state_rw);
+    }
+    if list && windows_t {
+        println!("\nwindows (issue 5), bytes per round:");
+        let kinds: Vec<VariantKind> = WINDOWS
+            .iter()
+            .map(|&w| VariantKind::Lone { window: w })
+            .collect();
+        list_floors(&body, &kinds, state_rw);
+    }
+    if drafter_t {
+        anyhow::ensure!(
+            cfg.mtp.is_some(),
+            "--drafter: the config has no MTP drafter"
+        );
+        let t0 = std::time::Instant::now();
+        let (n, values) = check_mxfp8_values(&body)?;
+        println!(
+            "MXFP8 copies: identical to flashplan_runtime::mxfp8::derive_drafter_weights on {n} drafter linears ({:.1} M values, {:.1} s)",
+            values as f64 / 1e6,
+            t0.elapsed().as_secs_f64()
+        );
+    }
+    // Which weights the CUDA backend keeps as MXFP8 (the runtime's rule), for the drafter's device bytes.
+    let mx = mxfp8::device_mxfp8_weights(&body);
+    if list && drafter_t {
+        println!(
+            "\ndrafter (issue 8), bytes per chained draft step (one row: exactly top-k experts); device = as the CUDA \
+             backend holds the weights ({} entries as MXFP8 codes + scales, the rest BF16), manifest = every MXFP8 \
+             entry as codes + scales:",
+            mx.iter().filter(|&&m| m).count()
+        );
+        println!("| form | variant | drafter dense MB | lm_head MB | one expert MB | device bytes MB | device / checkpoint | manifest bytes MB | manifest / checkpoint | all-BF16 bytes MB |");
+        println!("|---|---|---|---|---|---|---|---|---|---|");
+        let k = cfg.num_experts_per_tok as u64;
+        let (mut base_d, mut base_m) = (None, None);
+        for form in DrafterForm::ALL {
+            let kind = VariantKind::MtpChain { streams: 1, form };
+            let experts = moe_layers(&body, kind) * k;
+            let dev = DraftBytes::of(&body, kind, Acct::Device(&mx));
+            let man = DraftBytes::of(&body, kind, Acct::Manifest);
+            let (td, tm) = (dev.total(experts), man.total(experts));
+            let bd = *base_d.get_or_insert(td);
+            let bm = *base_m.get_or_insert(tm);
+            println!(
+                "| {} | {} | {:.1} | {:.1} | {:.2} | {:.1} | {:.2} | {:.1} | {:.2} | {:.1} |",
+                form.name(),
+                kind.name(),
+                mb(dev.dense + dev.gathered),
+                mb(dev.head),
+                mb(dev.expert),
+                mb(td),
+                td as f64 / bd as f64,
+                mb(tm),
+                tm as f64 / bm as f64,
+                mb(DraftBytes::of(&body, kind, Acct::Bf16).total(experts))
+            );
+        }
+    }
     if list {
         return Ok(());
     }
@@ -259,29 +925,17 @@ fn main() -> anyhow::Result<()> {
     let mut be = CudaBackend::new_bf16(Arc::clone(&body), w)?;
     println!("uploaded in {:.1} s", t0.elapsed().as_secs_f64());
     let pos = opts.context as u32 - 17;
+    let mut cache: BTreeMap<VariantKind, Meas> = BTreeMap::new();
     println!();
     println!("| variant | rows | time/replay us | sum of nodes us | overhead us | nodes | distinct experts | bytes MB | GB/s | % of 4.25 TB/s |");
     println!("|---|---|---|---|---|---|---|---|---|---|");
     let mut profiles = Vec::new();
     for &kind in &kinds {
         let (_, rows) = kind.shape();
-        let d = desc(rows, rows, pos, 1000 + rows as u64);
-        use flashplan_runtime::backend::Backend;
-        be.run(kind, &d)?;
-        let r = be.bench(kind, &d, iters)?;
+        let d = desc_streams(1, rows, pos, 1000 + rows as u64);
+        let m = measure(&mut be, &body, &mut cache, kind, &d, iters)?;
+        let (r, experts) = (m.r.clone(), m.experts);
         let v = body.variant(kind).unwrap();
-        // Distinct experts per MoE layer, from the router ids the replay left.
-        let mut experts = 0u64;
-        for n in &v.nodes {
-            if let Op::Router { ids, topk, .. } = &n.op {
-                let ids = be.read_buffer(kind, *ids)?;
-                let set: BTreeSet<u32> = ids[..(rows * *topk) as usize]
-                    .iter()
-                    .map(|x| x.to_bits())
-                    .collect();
-                experts += set.len() as u64;
-            }
-        }
         let (dense, gathered) = dense_bytes(&body, kind, rows as u64);
         let bytes = dense + gathered + experts * expert_bytes(kind) + gdn_state;
         let sum: f64 = r.nodes_us.iter().sum();
@@ -297,48 +951,23 @@ fn main() -> anyhow::Result<()> {
             gbs,
             100.0 * gbs * 1e9 / BW
         );
-        profiles.push((kind, r, bytes, experts));
+        profiles.push((kind, r, bytes));
     }
+    let captures_shown = be.captures().len();
     for ci in be.captures() {
         println!(
             "graph {}: {} kernel nodes (captured in {:.1} ms)",
             ci.variant, ci.nodes, ci.ms
         );
     }
-    // Per layer and 48-layer extrapolation, from the node times (launched alone) scaled to the replay time.
-    for (kind, r, bytes, experts) in &profiles {
-        let v = body.variant(*kind).unwrap();
-        let (_, rows) = kind.shape();
-        let sum: f64 = r.nodes_us.iter().sum();
-        let head: f64 = v
-            .nodes
-            .iter()
-            .zip(&r.nodes_us)
-            .filter(|(n, _)| is_head(n))
-            .map(|(_, t)| t)
-            .sum();
-        let overhead = r.median_us - sum;
-        let per_node = overhead / v.nodes.len() as f64;
-        let head_nodes = v.nodes.iter().filter(|n| is_head(n)).count() as f64;
-        let head_t = head + per_node * head_nodes;
+    // Per layer and 48-layer extrapolation, from the per-node times scaled to the replay time.
+    for (kind, r, bytes) in &profiles {
+        let (head_t, head_bytes) = head_split(&body, *kind, r);
         let layers_t = r.median_us - head_t;
         let per_layer = layers_t / layers as f64;
-        let (dense, gathered) = dense_bytes(&body, *kind, rows as u64);
-        let head_bytes: u64 = {
-            let mut set = BTreeSet::new();
-            for n in v.nodes.iter().filter(|n| is_head(n)) {
-                if !matches!(n.op, Op::EmbedStreams { .. } | Op::Embed { .. }) {
-                    set.extend(n.op.weights().into_iter().map(|w| w.0));
-                }
-            }
-            set.iter()
-                .map(|&w| body.weights[w as usize].numel() * 2)
-                .sum()
-        };
         let layer_bytes = (bytes - head_bytes) as f64 / layers as f64;
         let t48 = head_t + 12.0 * layers_t;
         let b48 = head_bytes as f64 + 12.0 * (bytes - head_bytes) as f64;
-        let _ = (dense, gathered, experts);
         println!(
             "{}: per layer {:.1} us for {:.1} MB = {:.0} GB/s ({:.1}% of 4.25 TB/s); head (embed, lm_head, sample) {:.1} us; \
              48 layers: {:.3} ms for {:.2} GB = {:.1}% of the floor ({:.3} ms)",
@@ -354,14 +983,14 @@ fn main() -> anyhow::Result<()> {
             b48 / BW * 1e3
         );
     }
-    // Largest kernels (launched alone) of lone-w1 and lone-w16.
-    for (kind, r, _, _) in profiles
+    // Largest kernels (per-node bench times) of lone-w1 and lone-w16.
+    for (kind, r, _) in profiles
         .iter()
         .filter(|(k, ..)| matches!(k, VariantKind::Lone { window: 1 | 16 }))
     {
         let sum: f64 = r.nodes_us.iter().sum();
         println!(
-            "\n{}: kernels by time (launched alone, summed over nodes; replay {:.1} us)",
+            "\n{}: kernels by time (CudaBackend::bench per-node times, summed over nodes; replay {:.1} us)",
             kind.name(),
             r.median_us
         );
@@ -389,6 +1018,216 @@ fn main() -> anyhow::Result<()> {
                 t
             );
         }
+    }
+    let floor_note = format!(
+        "floor = dense weights read (gathered rows only for the embedding and PLE tables) + distinct routed \
+         experts per MoE layer over the round's rows (read back from the device router) x {:.2} MB + {:.2} MB of \
+         recurrent state per stream (GDN recurrent and conv, PLE history and tail; read and written once), at \
+         4.25 TB/s (the H200's measured copy bandwidth); not in it: KV-cache and indexer-key traffic, \
+         activations, logits. 48-layer est.: the layers' part of time and floor x {:.0}, the head once",
+        mb(expert_bytes(VariantKind::Lone { window: 1 })),
+        mb(state_rw),
+        48.0 / layers as f64
+    );
+    if streams_t {
+        println!(
+            "\n**Streams (issue 6).** verify-sS-w1: S streams of one row, stream i on slot i at position {pos} with \
+             its own token; median of {iters} graph replays (CUDA events, after warm-up); aggregate tokens/s = S / \
+             replay time; {floor_note}. Target: the 16-stream round within 1.5x of its floor; lone-w1 at least \
+             as fast as verify-s1-w1.\n"
+        );
+        println!("| streams | variant | time/replay us | tokens/s | distinct experts | floor MB | floor us | time / floor | 48-layer est. tokens/s | 48-layer est. time / floor | within 1.5x |");
+        println!("|---|---|---|---|---|---|---|---|---|---|---|");
+        let mut ratios = BTreeMap::new();
+        let lone = VariantKind::Lone { window: 1 };
+        for kind in STREAMS
+            .iter()
+            .map(|&s| VariantKind::Verify {
+                streams: s,
+                window: 1,
+            })
+            .chain([lone])
+        {
+            let (s, _) = kind.shape();
+            let d = desc_streams(s, 1, pos, 1001);
+            let m = measure(&mut be, &body, &mut cache, kind, &d, iters)?;
+            let t = m.r.median_us;
+            let fl = Floor::of(&body, kind, m.experts, state_rw);
+            let (ht, hb) = head_split(&body, kind, &m.r);
+            let (t48, b48) = est48(layers, t, ht, fl.bytes(), hb);
+            let (ratio, r48) = (t / fl.us(), t48 / (b48 / BW * 1e6));
+            println!(
+                "| {s} | {} | {t:.1} | {:.0} | {} | {:.1} | {:.1} | {ratio:.2}x | {:.0} | {r48:.2}x | {} |",
+                kind.name(),
+                s as f64 / (t * 1e-6),
+                m.experts,
+                mb(fl.bytes()),
+                fl.us(),
+                s as f64 / (t48 * 1e-6),
+                verdict(ratio <= 1.5)
+            );
+            ratios.insert(kind, (t, ratio, r48));
+        }
+        let s16 = ratios[&VariantKind::Verify {
+            streams: 16,
+            window: 1,
+        }];
+        println!(
+            "\n16 streams: {:.2}x of the floor (48-layer est. {:.2}x): {} (target <= 1.5x)",
+            s16.1,
+            s16.2,
+            verdict(s16.1 <= 1.5)
+        );
+        let shared = ratios[&VariantKind::Verify {
+            streams: 1,
+            window: 1,
+        }]
+            .0;
+        let lone_t = ratios[&lone].0;
+        println!(
+            "lone-w1 {lone_t:.1} us vs verify-s1-w1 {shared:.1} us (lone / shared = {:.3}): {} (the lone-stream slot at least as fast)",
+            lone_t / shared,
+            verdict(lone_t <= shared)
+        );
+    }
+    if windows_t {
+        println!(
+            "\n**Windows (issue 5).** lone-wR: one stream, R rows at position {pos}, distinct tokens; median of \
+             {iters} graph replays; {floor_note}. Full-keep speed-up = R x time(lone-w1) / time(lone-wR). Target: \
+             within 1.3x of the floor; a round keeping 12 tokens at least 1.5x faster than plain decoding.\n"
+        );
+        println!("| rows | variant | time/replay us | distinct experts | floor MB | floor us | time / floor | 48-layer est. time / floor | within 1.3x | full-keep speed-up | 48-layer est. speed-up |");
+        println!("|---|---|---|---|---|---|---|---|---|---|---|");
+        let mut times = BTreeMap::new();
+        for &r in &WINDOWS {
+            let kind = VariantKind::Lone { window: r };
+            let d = desc_streams(1, r, pos, 1000 + r as u64);
+            let m = measure(&mut be, &body, &mut cache, kind, &d, iters)?;
+            let t = m.r.median_us;
+            let fl = Floor::of(&body, kind, m.experts, state_rw);
+            let (ht, hb) = head_split(&body, kind, &m.r);
+            let (t48, b48) = est48(layers, t, ht, fl.bytes(), hb);
+            times.insert(r, (t, t48));
+            let (t1, t1_48) = times[&1];
+            let ratio = t / fl.us();
+            println!(
+                "| {r} | {} | {t:.1} | {} | {:.1} | {:.1} | {ratio:.2}x | {:.2}x | {} | {:.2}x | {:.2}x |",
+                kind.name(),
+                m.experts,
+                mb(fl.bytes()),
+                fl.us(),
+                t48 / (b48 / BW * 1e6),
+                verdict(ratio <= 1.3),
+                r as f64 * t1 / t,
+                r as f64 * t1_48 / t48
+            );
+        }
+        let (t1, t1_48) = times[&1];
+        for r in [12u32, 16] {
+            let (t, t48) = times[&r];
+            let (sp, sp48) = (12.0 * t1 / t, 12.0 * t1_48 / t48);
+            println!(
+                "round keeping 12 tokens in the {r}-row window: 12 x {t1:.1} us / {t:.1} us = {sp:.2}x faster than plain decoding (48-layer est. {sp48:.2}x): {} (target >= 1.5x)",
+                verdict(sp >= 1.5)
+            );
+        }
+    }
+    for ci in &be.captures()[captures_shown..] {
+        println!(
+            "graph {}: {} kernel nodes (captured in {:.1} ms)",
+            ci.variant, ci.nodes, ci.ms
+        );
+    }
+    drop(be);
+    if drafter_t {
+        drafter_table(&body, &mx, pos, iters)?;
+    }
+    Ok(())
+}
+
+/// Issue 8: one chained draft step per drafter form, on a backend holding only what the MTP steps read, built
+/// with `CudaBackend::new` from f32 host tensors (the loader's path: MXFP8 weights that only `Linear` nodes read
+/// are kept as MXFP8 codes and scales on the device, the rest as BF16).
+fn drafter_table(body: &Arc<PlanBody>, mx: &[bool], pos: u32, iters: u32) -> anyhow::Result<()> {
+    let t0 = std::time::Instant::now();
+    let w = drafter_weights(body)?;
+    let total: usize = w.iter().flatten().map(|v| v.len() * 4).sum();
+    println!(
+        "\ndrafter weights (embed_tokens, lm_head, the drafter and its MXFP8 copies): {:.2} GB of f32 host tensors in {:.1} s",
+        total as f64 / 1e9,
+        t0.elapsed().as_secs_f64()
+    );
+    let mut be = CudaBackend::new(Arc::clone(body), &w)?;
+    drop(w);
+    println!(
+        "uploaded in {:.1} s ({} weights held as MXFP8 on the device)",
+        t0.elapsed().as_secs_f64(),
+        mx.iter().filter(|&&m| m).count()
+    );
+    println!(
+        "\n**MTP drafter (issue 8).** One chained draft step (mtp-chain-s1) per form, after an mtp-absorb-s1-w1 of \
+         the same form at position {pos} (its main-model input row written directly: random values); median of \
+         {iters} graph replays. Bytes = the weights the step reads as the CUDA backend holds them (MXFP8 codes + \
+         1 scale byte per 32 for the weights the runtime keeps as MXFP8: `device_mxfp8_weights`, the Linear-only \
+         ones; BF16 2 B per weight for the rest: norms, router, hyper-connection, shared and routed experts) + the \
+         gathered embedding row + the distinct routed experts (read back from the device router) + lm_head (BF16, \
+         or its MXFP8 copy under mxfp8-head); MTP KV-cache reads and the logits are not counted. \"manifest\": the \
+         same with every MXFP8 manifest entry as codes + scales (experts and hyper-connection included).\n"
+    );
+    println!("| form | variant | time/replay us | distinct experts | drafter dense MB | routed experts MB | lm_head MB | bytes MB | GB/s | % of 4.25 TB/s | bytes / checkpoint | time / checkpoint | manifest bytes MB |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let hcw = body.config.hc_width() as usize;
+    let row: Vec<f32> = (0..hcw as u64)
+        .map(|i| (mix(0xab5 + i) >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
+        .collect();
+    let mut cache = BTreeMap::new();
+    let mut base: Option<(f64, u64)> = None;
+    for form in DrafterForm::ALL {
+        be.write_io(flashplan_plan::IoBuf::MainStreams, 0, &row);
+        let next = (mix(4242) % 200_000) as u32;
+        be.run(
+            VariantKind::MtpAbsorb {
+                streams: 1,
+                window: 1,
+                form,
+            },
+            &desc_mtp(pos, next),
+        )?;
+        let draft = be.io(flashplan_plan::IoBuf::Sampled)[0].to_bits();
+        let kind = VariantKind::MtpChain { streams: 1, form };
+        let m = measure(
+            &mut be,
+            body,
+            &mut cache,
+            kind,
+            &desc_mtp(pos + 1, draft),
+            iters,
+        )?;
+        let t = m.r.median_us;
+        let b = DraftBytes::of(body, kind, Acct::Device(mx));
+        let bytes = b.total(m.experts);
+        let (tc, bc) = *base.get_or_insert((t, bytes));
+        let gbs = bytes as f64 / (t * 1e-6) / 1e9;
+        println!(
+            "| {} | {} | {t:.1} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {gbs:.0} | {:.1}% | {:.2} | {:.2} | {:.1} |",
+            form.name(),
+            kind.name(),
+            m.experts,
+            mb(b.dense + b.gathered),
+            mb(m.experts * b.expert),
+            mb(b.head),
+            mb(bytes),
+            100.0 * gbs * 1e9 / BW,
+            bytes as f64 / bc as f64,
+            t / tc,
+            mb(DraftBytes::of(body, kind, Acct::Manifest).total(m.experts))
+        );
+    }
+    for ci in be.captures() {
+        println!(
+            "graph {}: {} kernel nodes (captured in {:.1} ms)",
+            ci.variant, ci.nodes, ci.ms
+        );
     }
     Ok(())
 }
