@@ -82,7 +82,8 @@ typedef struct FpRmsNorm {
     u32 pad;
 } FpRmsNorm;
 
-/* gathered != 0: x holds one row per stream (rows with streams[s].rows > 0). */
+/* gathered != 0: x holds one row per stream (rows with streams[s].rows > 0). split: slices of K per output group
+ * (1, 2, 4 or 8; 0 means 1), see `slice_dots` in common.cuh. */
 typedef struct FpLinear {
     FpCommon c;
     u64 x;
@@ -93,8 +94,24 @@ typedef struct FpLinear {
     u32 sub;
     u32 accumulate;
     u32 gathered;
-    u32 pad;
+    u32 split;
 } FpLinear;
+
+/* linear_mxfp8 (mxfp8.cu): FpLinear with MXFP8 weights, codes u8 [n, k] (E4M3) and scales u8 [n, ceil(k / 32)]
+ * (E8M0, one per 32 consecutive inputs of a row). */
+typedef struct FpLinearMxfp8 {
+    FpCommon c;
+    u64 x;
+    u64 codes;
+    u64 scales;
+    u64 out;
+    u32 k;
+    u32 n;
+    u32 sub;
+    u32 accumulate;
+    u32 gathered;
+    u32 split;
+} FpLinearMxfp8;
 
 typedef struct FpAddBroadcast {
     FpCommon c;

@@ -23,6 +23,7 @@ use flashplan_runtime::backend::Backend;
 use flashplan_runtime::checkpoint::{load_checkpoint, LoadOptions};
 use flashplan_runtime::cpu::CpuBackend;
 use flashplan_runtime::cuda::{probe_gpu, CudaBackend};
+use flashplan_runtime::mxfp8::{self, derive_drafter_weights};
 
 const TOL: f32 = 1e-3;
 const CHUNK: u32 = 16;
@@ -526,6 +527,260 @@ fn gpu_matches_cpu_on_the_fixtures() {
     assert!(
         failed.is_empty(),
         "{} GPU checks failed: {failed:?}",
+        failed.len()
+    );
+}
+
+/// Bit-for-bit equality of two f32 slices.
+fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+/// Runs one variant on the CPU oracle and both GPU backends (MXFP8 weights as MXFP8, and as BF16).
+fn run_three(
+    cpu: &mut CpuBackend,
+    mx: &mut CudaBackend,
+    bf: &mut CudaBackend,
+    kind: VariantKind,
+    d: &RoundDesc,
+) -> Result<(), String> {
+    cpu.run(kind, d).map_err(|e| format!("cpu: {e}"))?;
+    mx.run(kind, d).map_err(|e| format!("gpu mxfp8: {e}"))?;
+    bf.run(kind, d).map_err(|e| format!("gpu bf16: {e}"))
+}
+
+/// The MXFP8 drafter checks of one fixture with an MTP head (issue 8): the `mxfp8` and `mxfp8-head` MTP variants on
+/// a GPU backend holding the re-coded linears (and the drafting lm_head) as MXFP8 (`linear_mxfp8`), against the CPU
+/// backend on the same values (the usual tolerance) and against a GPU backend holding the same values as BF16
+/// (`linear`), bit for bit; and row invariance of a chained step across stream counts.
+fn mxfp8_checks(name: &str, dir: &Path, expected: &Path, rep: &mut Report) {
+    let (cpu_body, gpu_body) = plans(dir);
+    let vocab = cpu_body.config.vocab_size as usize;
+    let hcw = cpu_body.config.hc_width() as usize;
+    let loaded = load_checkpoint(dir, &cpu_body, &LoadOptions::default()).expect("checkpoint");
+    if !loaded.has_mtp {
+        println!("| {name} | mxfp8 drafter | info | no MTP head: nothing to check |");
+        return;
+    }
+    // The oracle's weights: BF16-rounded as in fixture_checks, then the drafter re-coded from those (MXFP8 values
+    // are BF16 values, so the BF16 backend holds them exactly too).
+    let mut w = loaded.tensors;
+    for t in w.iter_mut().flatten() {
+        t.iter_mut()
+            .for_each(|x| *x = half::bf16::from_f32(*x).to_f32());
+    }
+    derive_drafter_weights(&cpu_body, &mut w, DrafterForm::Mxfp8Head);
+    let cpu_body = Arc::new(cpu_body);
+    let gpu_body = Arc::new(gpu_body);
+    let mut cpu = CpuBackend::new(Arc::clone(&cpu_body), Arc::new(w.clone()));
+    let bf_w: Vec<Option<Vec<u16>>> = w
+        .iter()
+        .map(|t| {
+            t.as_ref().map(|t| {
+                t.iter()
+                    .map(|x| half::bf16::from_f32(*x).to_bits())
+                    .collect()
+            })
+        })
+        .collect();
+    let (mut mx, mut bf) = match (
+        CudaBackend::new(Arc::clone(&gpu_body), &w),
+        CudaBackend::new_bf16(Arc::clone(&gpu_body), bf_w),
+    ) {
+        (Ok(a), Ok(b)) => (a, b),
+        (Err(e), _) | (_, Err(e)) => {
+            rep.add(name, "mxfp8 start", false, e.to_string());
+            return;
+        }
+    };
+    let want = mxfp8::device_mxfp8_weights(&gpu_body)
+        .iter()
+        .zip(&w)
+        .filter(|(f, t)| **f && t.is_some())
+        .count();
+    rep.add(
+        name,
+        "MXFP8 weights held as codes + scales",
+        mx.mxfp8_weights() == want && want > 0 && bf.mxfp8_weights() == 0,
+        format!(
+            "{} weights (expected {want}; the BF16 backend {})",
+            mx.mxfp8_weights(),
+            bf.mxfp8_weights()
+        ),
+    );
+    let exp = Expected::open(expected);
+    let (_, streams) = exp.f32("mtp_streams");
+    let toks = exp.ids("mtp_tokens");
+    for form in [DrafterForm::Mxfp8, DrafterForm::Mxfp8Head] {
+        let f = form.name();
+        // Absorb one entry at a time.
+        for s in 0..4 {
+            cpu.reset_slot(s);
+            mx.reset_slot(s);
+            bf.reset_slot(s);
+        }
+        let (mut worst, mut worst_st, mut drafts, mut bits) = (0f32, 0f32, true, true);
+        for i in 0..toks.len() {
+            let row = &streams[i * hcw..(i + 1) * hcw];
+            cpu.write_io(IoBuf::MainStreams, 0, row);
+            mx.write_io(IoBuf::MainStreams, 0, row);
+            bf.write_io(IoBuf::MainStreams, 0, row);
+            let d = desc(&[(0, i as u32, 1, &[toks[i]])], 1);
+            let kind = VariantKind::MtpAbsorb {
+                streams: 1,
+                window: 1,
+                form,
+            };
+            if let Err(e) = run_three(&mut cpu, &mut mx, &mut bf, kind, &d) {
+                rep.add(name, &format!("mtp-absorb-s1-w1-{f}"), false, e);
+                return;
+            }
+            let (ml, cl, bl) = (
+                &mx.io(IoBuf::Logits)[..vocab],
+                &cpu.io(IoBuf::Logits)[..vocab],
+                &bf.io(IoBuf::Logits)[..vocab],
+            );
+            worst = worst.max(rel(ml, cl, vocab));
+            let (ms, cs, bs) = (
+                &mx.io(IoBuf::MtpStreams)[..hcw],
+                &cpu.io(IoBuf::MtpStreams)[..hcw],
+                &bf.io(IoBuf::MtpStreams)[..hcw],
+            );
+            worst_st = worst_st.max(rel(ms, cs, hcw));
+            bits &= same_bits(ml, bl) && same_bits(ms, bs);
+            drafts &= mx.io(IoBuf::Sampled)[0].to_bits() == cpu.io(IoBuf::Sampled)[0].to_bits()
+                && mx.io(IoBuf::Sampled)[0].to_bits() == bf.io(IoBuf::Sampled)[0].to_bits();
+        }
+        rep.add(
+            name,
+            &format!("mtp-absorb-s1-w1-{f}: MXFP8 vs CPU, vs BF16 linear"),
+            worst <= TOL && worst_st <= TOL && drafts && bits,
+            format!(
+                "{} entries, logits {worst:.2e}, streams {worst_st:.2e}, drafts equal {drafts}, bit-identical to BF16 {bits}",
+                toks.len()
+            ),
+        );
+
+        // A 4-entry absorb window, then a chained step; the chained step again with 4 streams (stream 0 the same).
+        let m = toks.len().min(4);
+        for s in 0..4 {
+            cpu.reset_slot(s);
+            mx.reset_slot(s);
+            bf.reset_slot(s);
+        }
+        for b in [&mut cpu as &mut dyn Backend, &mut mx, &mut bf] {
+            b.write_io(IoBuf::MainStreams, 0, &streams[..m * hcw]);
+        }
+        let d = desc(&[(0, 0, m as u32, &toks[..m])], 4);
+        let kind = VariantKind::MtpAbsorb {
+            streams: 1,
+            window: 4,
+            form,
+        };
+        if let Err(e) = run_three(&mut cpu, &mut mx, &mut bf, kind, &d) {
+            rep.add(name, &format!("mtp-absorb-s1-w4-{f}"), false, e);
+            return;
+        }
+        let r1 = rel(
+            &mx.io(IoBuf::Logits)[..vocab],
+            &cpu.io(IoBuf::Logits)[..vocab],
+            vocab,
+        );
+        let mut bits = same_bits(
+            &mx.io(IoBuf::Logits)[..vocab],
+            &bf.io(IoBuf::Logits)[..vocab],
+        );
+        let mut drafts = mx.io(IoBuf::Sampled)[0].to_bits() == cpu.io(IoBuf::Sampled)[0].to_bits();
+        let draft = cpu.io(IoBuf::Sampled)[0].to_bits();
+        let state = mx.slot_state(0);
+        let src: Vec<f32> = mx.io(IoBuf::MtpStreams)[..hcw].to_vec();
+        let mut dc = desc(&[(0, m as u32, 1, &[draft])], 1);
+        dc.streams[0].committed = m as u32;
+        let kind = VariantKind::MtpChain { streams: 1, form };
+        if let Err(e) = run_three(&mut cpu, &mut mx, &mut bf, kind, &dc) {
+            rep.add(name, &format!("mtp-chain-s1-{f}"), false, e);
+            return;
+        }
+        let chain1 = mx.io(IoBuf::Logits)[..vocab].to_vec();
+        let r2 = rel(&chain1, &cpu.io(IoBuf::Logits)[..vocab], vocab);
+        bits &= same_bits(&chain1, &bf.io(IoBuf::Logits)[..vocab]);
+        drafts &= mx.io(IoBuf::Sampled)[0].to_bits() == cpu.io(IoBuf::Sampled)[0].to_bits();
+        rep.add(
+            name,
+            &format!("mtp-absorb-s1-w4-{f} + mtp-chain-s1-{f}"),
+            r1 <= TOL && r2 <= TOL && drafts && bits,
+            format!("absorb {r1:.2e}, chain {r2:.2e}, drafts equal {drafts}, bit-identical to BF16 {bits}"),
+        );
+        // Row invariance: the same chained step as stream 0 of 4 (other slots, tokens and source rows alongside).
+        let others: Vec<[u32; 1]> = (0..4u32)
+            .map(|s| {
+                [if s == 0 {
+                    draft
+                } else {
+                    (draft + 1 + s) % vocab as u32
+                }]
+            })
+            .collect();
+        for s in 0..4u32 {
+            mx.set_slot_state(s, &state).expect("slot state");
+            let row: Vec<f32> = src.iter().map(|x| x * (1.0 + s as f32 * 0.25)).collect();
+            mx.write_io(IoBuf::MtpStreams, s as usize * hcw, &row);
+        }
+        let ss: Vec<(u32, u32, u32, &[u32])> = (0..4u32)
+            .map(|s| (s, m as u32, 1u32, &others[s as usize][..]))
+            .collect();
+        let mut d4 = desc(&ss, 1);
+        for (i, sd) in d4.streams.iter_mut().enumerate() {
+            sd.committed = m as u32;
+            sd.src_row = i as u32;
+        }
+        let kind = VariantKind::MtpChain { streams: 4, form };
+        let same = match mx.run(kind, &d4) {
+            Ok(()) => same_bits(&mx.io(IoBuf::Logits)[..vocab], &chain1),
+            Err(e) => {
+                rep.add(name, &format!("mtp-chain-s4-{f}"), false, e.to_string());
+                return;
+            }
+        };
+        rep.add(
+            name,
+            &format!("row invariance, mtp-chain-s1-{f} vs stream 0 of mtp-chain-s4-{f}"),
+            same,
+            "bit-identical stream-0 logits".into(),
+        );
+    }
+}
+
+/// Issue 8: the MXFP8 drafter on the GPU (`linear_mxfp8`) on every fixture with an MTP head.
+#[test]
+fn gpu_mxfp8_drafter_matches_cpu_and_the_bf16_linear() {
+    let Some(name) = gpu_ready() else { return };
+    println!("GPU: {name}; MXFP8 drafter: linear_mxfp8 against the CPU backend on the same values (max|diff| <= {TOL} x max|logit| per row) and bit for bit against BF16 `linear` on the same values");
+    println!("| fixture | check | result | detail |\n|---|---|---|---|");
+    let mut rep = Report { rows: Vec::new() };
+    for (fx, dir, expected) in [
+        (
+            "tiny-text",
+            fixture("tiny-text"),
+            fixture("tiny-text").join("expected.safetensors"),
+        ),
+        (
+            "tiny-wrapper",
+            fixture("tiny-wrapper"),
+            fixture("tiny-wrapper").join("expected.safetensors"),
+        ),
+        (
+            "flashnext-tiny",
+            root().join("models/flashnext-tiny"),
+            root().join("fixtures/flashnext-tiny-expected.safetensors"),
+        ),
+    ] {
+        mxfp8_checks(fx, &dir, &expected, &mut rep);
+    }
+    let failed: Vec<_> = rep.rows.iter().filter(|r| !r.2).collect();
+    assert!(
+        failed.is_empty(),
+        "{} MXFP8 GPU checks failed: {failed:?}",
         failed.len()
     );
 }

@@ -321,6 +321,60 @@ fn derived_drafter_weights_follow_the_form() {
     }
 }
 
+/// The weights a GPU backend keeps as MXFP8 (`linear_mxfp8`): the re-coded drafter linears and the drafting
+/// `lm_head` copy that only `Linear` nodes read; the experts, shared expert, hc_read and router weights stay BF16.
+/// Every one of them packs into codes and scales that decode to the derived values bit for bit.
+#[test]
+fn device_mxfp8_weights_are_the_linear_ones_and_pack_exactly() {
+    let body = tiny_plan(4);
+    let flags = mxfp8::device_mxfp8_weights(&body);
+    let flagged: Vec<&str> = body
+        .weights
+        .iter()
+        .zip(&flags)
+        .filter(|(_, f)| **f)
+        .map(|(e, _)| e.name.as_str())
+        .collect();
+    for n in [
+        "lm_head.weight#mxfp8",
+        "mtp.fc_hidden.weight#mxfp8",
+        "mtp.fc_embedding.weight#mxfp8",
+        "mtp.layers.0.self_attn.q_proj.weight#mxfp8",
+        "mtp.layers.0.self_attn.o_proj.weight#mxfp8",
+    ] {
+        assert!(flagged.contains(&n), "{n} not held as MXFP8: {flagged:?}");
+    }
+    for n in [
+        "lm_head.weight",
+        "mtp.layers.0.mlp.experts.gate_up_proj#mxfp8",
+        "mtp.layers.0.mlp.experts.down_proj#mxfp8",
+        "mtp.hyper_connection_mixer.input_mix_weight_down.weight#mxfp8",
+    ] {
+        assert!(!flagged.contains(&n), "{n} held as MXFP8");
+    }
+    for (e, f) in body.weights.iter().zip(&flags) {
+        assert!(!*f || e.group != WeightGroup::Main, "{}", e.name);
+    }
+    let mut t = load_checkpoint(&tiny_dir(), &body, &LoadOptions::default())
+        .expect("loads")
+        .tensors;
+    derive_drafter_weights(&body, &mut t, DrafterForm::Mxfp8Head);
+    for ((e, f), v) in body.weights.iter().zip(&flags).zip(&t) {
+        if !*f {
+            continue;
+        }
+        let v = v.as_deref().expect("derived");
+        let (rows, cols) = (e.shape[0] as usize, e.shape[1] as usize);
+        let m = mxfp8::pack_exact(v, rows, cols).unwrap_or_else(|err| panic!("{}: {err}", e.name));
+        let back = mxfp8::dequantize(&m);
+        assert!(
+            back.iter().zip(v).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{}: packing changed a value",
+            e.name
+        );
+    }
+}
+
 /// An engine on flashnext-tiny with the drafter in `form` (copy drafts as given).
 fn engine(form: DrafterForm, copy_drafts: bool) -> Engine<CpuBackend> {
     let body = tiny_plan(15);

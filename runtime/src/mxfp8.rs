@@ -24,7 +24,7 @@
 //! Non-finite weights (not expected in a checkpoint): `±inf` saturates to `±448 * 2^127` and NaN stays NaN (code
 //! `0x7F`); neither occurs for finite input.
 
-use flashplan_plan::{DrafterForm, PlanBody, StorageForm, WeightGroup};
+use flashplan_plan::{DrafterForm, Op, PlanBody, StorageForm, WeightGroup};
 
 /// Inputs per scale group.
 pub const GROUP: usize = 32;
@@ -228,6 +228,96 @@ pub fn dequantize_stored(codes: &[u8], scales: &[u8], rows: usize, cols: usize) 
 /// The f32 values an [`Mxfp8`] matrix represents (row-major `[rows, cols]`), exact.
 pub fn dequantize(m: &Mxfp8) -> Vec<f32> {
     dequantize_stored(&m.codes, &m.scales, m.rows, m.cols)
+}
+
+/// Why values could not be packed into MXFP8 codes and scales without changing them ([`pack_exact`]).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum PackError {
+    /// The number of values is not `rows * cols`.
+    #[error("{got} values for a {rows} x {cols} matrix")]
+    Length {
+        /// Values given.
+        got: usize,
+        /// Output rows (N).
+        rows: usize,
+        /// Inputs per row (K).
+        cols: usize,
+    },
+    /// A value is not an MXFP8 value of its group: packing would change it.
+    #[error("value {value} at index {index} is not exactly representable in MXFP8 with its group's scale")]
+    NotExact {
+        /// Row-major index of the value.
+        index: usize,
+        /// The value.
+        value: f32,
+    },
+}
+
+/// Packs f32 values that are exactly MXFP8 values (re-coded drafter weights, dequantized stored MXFP8: what
+/// [`derive_drafter_weights`] and the loader hand the backends) into codes `[rows, cols]` and scales
+/// `[rows, ceil(cols / 32)]` that represent them bit for bit, for backends that keep MXFP8 in device memory.
+///
+/// Re-coding MXFP8 values gives back the same values (the group's scale may come out smaller, never the values);
+/// a `-0.0` in an all-zero group keeps its sign (code `0x80`). Every packed value is checked against
+/// [`dequantize`]'s: anything else (values that were never MXFP8, NaN, a stored group whose large values overflowed
+/// f32 to infinity) is a [`PackError::NotExact`].
+///
+/// # Errors
+/// [`PackError`] when `values.len() != rows * cols` or a value would change.
+pub fn pack_exact(values: &[f32], rows: usize, cols: usize) -> Result<Mxfp8, PackError> {
+    if rows.checked_mul(cols) != Some(values.len()) {
+        return Err(PackError::Length {
+            got: values.len(),
+            rows,
+            cols,
+        });
+    }
+    let mut m = quantize(values, rows, cols);
+    let table: Vec<f32> = (0..=255u8).map(e4m3_decode).collect();
+    let gpr = groups_per_row(cols);
+    for (index, &value) in values.iter().enumerate() {
+        let (r, c) = (index / cols, index % cols);
+        let scale = e8m0_decode(m.scales[r * gpr + c / GROUP]);
+        if value.to_bits() == (-0.0f32).to_bits() && m.codes[index] == 0 {
+            m.codes[index] = 0x80;
+        }
+        let got = table[m.codes[index] as usize] * scale;
+        if got.to_bits() != value.to_bits() {
+            return Err(PackError::NotExact { index, value });
+        }
+    }
+    Ok(m)
+}
+
+/// Which weights a device backend keeps as MXFP8 codes and scales: the 2-D [`StorageForm::Mxfp8`] entries
+/// (`#mxfp8` re-coded drafter linears, the `lm_head.weight#mxfp8` drafting copy, stored MXFP8 linears) that only
+/// [`Op::Linear`] nodes read, each with a shape `[n, k]` matching every such node. One flag per manifest entry.
+/// Mxfp8 weights read by other ops (experts, shared expert, hc_read, router) are not flagged: their kernels take
+/// BF16.
+pub fn device_mxfp8_weights(body: &PlanBody) -> Vec<bool> {
+    let mut linear = vec![false; body.weights.len()];
+    let mut other = vec![false; body.weights.len()];
+    for v in &body.variants {
+        for node in &v.nodes {
+            for w in node.op.weights() {
+                let i = w.0 as usize;
+                let Some(e) = body.weights.get(i) else {
+                    continue;
+                };
+                match &node.op {
+                    Op::Linear { k, n, .. } if e.shape == [*n as u64, *k as u64] => {
+                        linear[i] = true
+                    }
+                    _ => other[i] = true,
+                }
+            }
+        }
+    }
+    body.weights
+        .iter()
+        .enumerate()
+        .map(|(i, e)| e.form == StorageForm::Mxfp8 && linear[i] && !other[i])
+        .collect()
 }
 
 /// `(rows, cols)` of a logical shape for re-coding: the last dimension is the input dimension; every other
@@ -470,6 +560,74 @@ mod tests {
             .collect()
     }
 
+    /// The device packing: values given by [`dequantize_stored`] (any finite codes and scales) pack into codes and
+    /// scales that decode to the same bits.
+    fn assert_pack_roundtrip(values: &[f32], rows: usize, cols: usize) {
+        let m = pack_exact(values, rows, cols).expect("MXFP8 values pack");
+        assert_eq!(m.codes.len(), rows * cols);
+        assert_eq!(m.scales.len(), rows * groups_per_row(cols));
+        let back = dequantize(&m);
+        for (i, (a, b)) in values.iter().zip(&back).enumerate() {
+            assert_eq!(a.to_bits(), b.to_bits(), "index {i}: {a} packed as {b}");
+        }
+    }
+
+    #[test]
+    fn pack_exact_roundtrips_recoded_weights() {
+        let (rows, cols) = (5, 77);
+        let w: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 7919 % 1000) as f32 - 500.0) * 1e-3 * (1 + i % 9) as f32)
+            .collect();
+        assert_pack_roundtrip(&dequantize(&quantize(&w, rows, cols)), rows, cols);
+        // All-zero groups, -0.0 in an all-zero group and in a non-zero one.
+        let mut z = vec![0.0f32; 64];
+        z[3] = -0.0;
+        z[40] = -0.0;
+        z[41] = 1.5;
+        assert_pack_roundtrip(&z, 1, 64);
+        assert_eq!(pack_exact(&z, 1, 64).unwrap().codes[3], 0x80);
+    }
+
+    #[test]
+    fn pack_exact_roundtrips_stored_codes_at_every_scale() {
+        // Every finite code (0x7F / 0xFF are NaN) with every scale byte whose values stay finite in f32
+        // (448 * 2^(s - 127) < 2^128 for s <= 246), groups of 32 codes.
+        let codes: Vec<u8> = (0..=255u8).filter(|c| c & 0x7F != 0x7F).collect();
+        for s in 0..=246u8 {
+            let mut cs = codes.clone();
+            cs.truncate(224); // 7 groups of 32
+            let scales = vec![s; 7];
+            let values = dequantize_stored(&cs, &scales, 1, 224);
+            assert_pack_roundtrip(&values, 1, 224);
+            let v = dequantize_stored(&cs, &scales, 7, 32);
+            assert_pack_roundtrip(&v, 7, 32);
+        }
+    }
+
+    #[test]
+    fn pack_exact_refuses_values_that_would_change() {
+        assert_eq!(
+            pack_exact(&[1.0, 2.0, 3.0], 2, 2),
+            Err(PackError::Length {
+                got: 3,
+                rows: 2,
+                cols: 2
+            })
+        );
+        // 1.0625 has 5 significant bits: not an E4M3 value at any scale next to 1.
+        assert_eq!(
+            pack_exact(&[1.0, 1.0625], 1, 2),
+            Err(PackError::NotExact {
+                index: 1,
+                value: 1.0625
+            })
+        );
+        assert!(matches!(
+            pack_exact(&[f32::NAN], 1, 1),
+            Err(PackError::NotExact { index: 0, .. })
+        ));
+    }
+
     proptest! {
         #[test]
         fn groups_match_reference(
@@ -493,6 +651,31 @@ mod tests {
                 for (k, (&y, &r)) in got[lo..hi].iter().zip(&want).enumerate() {
                     prop_assert_eq!(y as f64, r, "group {} index {}", g, k);
                 }
+            }
+        }
+
+        #[test]
+        fn pack_exact_roundtrips_random_stored(
+            codes in proptest::collection::vec(any::<u8>(), 1..100),
+            scales in proptest::collection::vec(0u8..=246, 4),
+            rows in 1usize..4,
+        ) {
+            let cols = codes.len();
+            let codes: Vec<u8> = codes.iter().map(|&c| if c & 0x7F == 0x7F { c & 0xFE } else { c }).collect();
+            let mut all = Vec::new();
+            let mut sc = Vec::new();
+            for r in 0..rows {
+                all.extend(codes.iter().map(|&c| {
+                    let c = c.rotate_left(r as u32);
+                    if c & 0x7F == 0x7F { c & 0xFE } else { c }
+                }));
+                sc.extend((0..groups_per_row(cols)).map(|g| scales[(g + r) % 4]));
+            }
+            let values = dequantize_stored(&all, &sc, rows, cols);
+            let m = pack_exact(&values, rows, cols).expect("packs");
+            let back = dequantize(&m);
+            for (a, b) in values.iter().zip(&back) {
+                prop_assert_eq!(a.to_bits(), b.to_bits());
             }
         }
 

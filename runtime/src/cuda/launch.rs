@@ -15,25 +15,32 @@ pub(crate) struct Addrs<'a> {
     pub arena: u64,
     pub io: &'a dyn Fn(flashplan_plan::IoBuf) -> u64,
     pub weights: &'a [u64],
+    /// Per weight: the address of its MXFP8 scales when it is held as MXFP8 (codes at `weights`), else 0.
+    pub mxfp8_scales: &'a [u64],
     pub common: FpCommon,
     pub rope: u64,
     pub rope_cfg: &'a Rope,
 }
 
-/// One node's launch: kernel name, parameter bytes, grid, block; `then`: a second kernel launched right after with
-/// the same parameters (ops done in two phases: hc_read, router, experts, shared_expert).
+/// One node's launch: kernel name, parameter bytes, grid, block; `then`: more kernels launched right after, in
+/// order, with the same parameters (ops done in phases: hc_read, router, experts, shared_expert, indexer_select,
+/// sparse_attn), each with its own (1-D) grid and block.
 pub(crate) struct LaunchSpec {
     pub kernel: &'static str,
     pub params: Vec<u8>,
     pub grid: (u32, u32, u32),
     pub block: (u32, u32, u32),
-    pub then: Option<(&'static str, u32, u32)>,
+    pub then: Vec<(&'static str, u32, u32)>,
 }
 
 impl LaunchSpec {
     fn then(mut self, kernel: &'static str, grid: u32, block: u32) -> LaunchSpec {
-        self.then = Some((kernel, grid.max(1), block));
+        self.then.push((kernel, grid.max(1), block));
         self
+    }
+    /// Kernel launches of this node (1 + follow-ups).
+    pub fn launches(&self) -> usize {
+        1 + self.then.len()
     }
 }
 
@@ -75,18 +82,119 @@ impl Addrs<'_> {
     }
 }
 
+/// Entry points of one kernel per row tile T = 1, 2, 4, 8, 16 (`name_tT` in `kernels/`): each is compiled with the
+/// registers its tile needs.
+type ByRows = [&'static str; 5];
+const LINEAR: ByRows = ["linear_t1", "linear_t2", "linear_t4", "linear_t8", "linear_t16"];
+const HC_READ: ByRows = ["hc_read_t1", "hc_read_t2", "hc_read_t4", "hc_read_t8", "hc_read_t16"];
+const HC_READ_MIX: ByRows = [
+    "hc_read_mix_t1",
+    "hc_read_mix_t2",
+    "hc_read_mix_t4",
+    "hc_read_mix_t8",
+    "hc_read_mix_t16",
+];
+const ROUTER: ByRows = ["router_t1", "router_t2", "router_t4", "router_t8", "router_t16"];
+const SHARED_EXPERT: ByRows = [
+    "shared_expert_t1",
+    "shared_expert_t2",
+    "shared_expert_t4",
+    "shared_expert_t8",
+    "shared_expert_t16",
+];
+const SHARED_EXPERT_DOWN: ByRows = [
+    "shared_expert_down_t1",
+    "shared_expert_down_t2",
+    "shared_expert_down_t4",
+    "shared_expert_down_t8",
+    "shared_expert_down_t16",
+];
+
+/// The entry point for a launch over `rows` rows: the smallest tile of 1, 2, 4, 8, 16 covering them (16 beyond;
+/// the kernel loops over tiles). Row invariance does not depend on the choice: a row's arithmetic is the same in
+/// every tile.
+fn by_rows(names: ByRows, rows: u32) -> &'static str {
+    match rows {
+        0..=1 => names[0],
+        2 => names[1],
+        3..=4 => names[2],
+        5..=8 => names[3],
+        _ => names[4],
+    }
+}
+
+/// Vocabulary slices of `sample_part` (`SAMPLE_PARTS` in `kernels/sample.cu`).
+const SAMPLE_PARTS: u32 = 64;
+
+/// Tokens per chunk of `sparse_attn` (`SA_CHUNK` in `kernels/attn.cu`).
+const SA_CHUNK: u32 = 32;
+
 /// Scratch elements (f32) a node needs for `rows` rows.
 pub(crate) fn scratch_elems(body: &PlanBody, op: &Op, rows: u64) -> u64 {
     match op {
         Op::IndexerSelect { ratio, .. } => rows * 2 * (body.state.context / *ratio as u64 + 1),
         Op::SparseAttn {
-            heads, ratio, topk, ..
-        } => rows * *heads as u64 * ((*topk as u64 + 1) * *ratio as u64),
+            heads,
+            ratio,
+            topk,
+            hd,
+            ..
+        } => {
+            let nsplit = ((*topk as u64 + 1) * *ratio as u64).div_ceil(SA_CHUNK as u64);
+            rows * *heads as u64 * nsplit * (*hd as u64 + 2)
+        }
         Op::Experts { topk, inter, .. } => rows * *topk as u64 * *inter as u64,
         Op::SharedExpert { inter, .. } => rows * (*inter as u64 + 1),
         Op::Router { experts, .. } => rows * *experts as u64,
-        Op::HcRead { hc, rank, .. } => rows * (*rank as u64 + *hc as u64),
+        // SamplePart (32 bytes) per (item, part); items <= rows.
+        Op::Sample { .. } => rows * SAMPLE_PARTS as u64 * 8,
+        Op::HcRead { hc, rank, dim, .. } => rows * (*rank as u64 + *hc as u64 * *dim as u64),
         _ => 0,
+    }
+}
+
+/// Slices of K per output group for the split-K matrix-vector kernels (`slice_dots` in `kernels/common.cuh`): the
+/// fewest of 1, 2, 4, 8 that leave each lane at most 4 chunks of 8 values per weight row (so a warp has all its
+/// loads in flight at once). A function of K alone, so every row count gets the same slices (row invariance).
+pub(crate) fn k_split(k: u32) -> u32 {
+    let chunks = k.div_ceil(256);
+    [1, 2, 4, 8]
+        .into_iter()
+        .find(|s| chunks.div_ceil(*s) <= 4)
+        .unwrap_or(8)
+}
+
+/// `linear_mxfp8` entry points per row tile (kernels/mxfp8.cu).
+const LINEAR_MXFP8: ByRows = [
+    "linear_mxfp8_t1",
+    "linear_mxfp8_t2",
+    "linear_mxfp8_t4",
+    "linear_mxfp8_t8",
+    "linear_mxfp8_t16",
+];
+
+/// A `Linear` node whose weight is held as MXFP8 (issue 8): `linear_mxfp8` (kernels/mxfp8.cu) with `linear`'s
+/// parameters (`p.w` is the codes' address), its launch shape, row tile and split of K, so both give the same bits.
+fn linear_mxfp8(p: &FpLinear, scales: u64, total: u32, grid: u32) -> LaunchSpec {
+    let m = FpLinearMxfp8 {
+        c: p.c,
+        x: p.x,
+        codes: p.w,
+        scales,
+        out: p.out,
+        k: p.k,
+        n: p.n,
+        sub: p.sub,
+        accumulate: p.accumulate,
+        gathered: p.gathered,
+        split: p.split,
+    };
+    LaunchSpec {
+        kernel: by_rows(LINEAR_MXFP8, total),
+        params: bytes(&m),
+        grid: (grid.max(1), 1, 1),
+        block: (256, 1, 1),
+        then: Vec::new(),
     }
 }
 
@@ -100,7 +208,7 @@ pub(crate) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
         params,
         grid: (grid.max(1), 1, 1),
         block: (block, 1, 1),
-        then: None,
+        then: Vec::new(),
     };
     let half = a.rope_cfg.inv_freq.len() as u32;
     let af = a.rope_cfg.attention_factor;
@@ -202,11 +310,22 @@ pub(crate) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
                 sub: *sub,
                 accumulate: *accumulate as u32,
                 gathered: gathered as u32,
-                pad: 0,
+                split: k_split(*k),
             };
-            // A warp per 4 features (measured faster than a warp per feature even for n = 2560 at one row; the
-            // kernel takes a warp per feature when given a grid of at least n warps).
-            one("linear", bytes(&p), n.div_ceil(32), 256)
+            // A block of 8 warps: 8 / split groups of 4 features, each over split slices of K.
+            let per_block = 4 * (8 / p.split);
+            let total = if gathered { streams } else { rows } * *sub;
+            match a.mxfp8_scales.get(w.0 as usize) {
+                Some(&scales) if scales != 0 => {
+                    linear_mxfp8(&p, scales, total, n.div_ceil(per_block))
+                }
+                _ => one(
+                    by_rows(LINEAR, total),
+                    bytes(&p),
+                    n.div_ceil(per_block),
+                    256,
+                ),
+            }
         }
         Op::AddBroadcast {
             a: x,
@@ -264,11 +383,10 @@ pub(crate) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
                 pad: 0,
             };
             let outs = *rank + if p.inject != 0 { *hc } else { 0 };
-            one("hc_read", bytes(&p), outs.div_ceil(2), 256).then(
-                "hc_read_mix",
-                dim.div_ceil(8),
-                256,
-            )
+            let nrows = if gathered { streams } else { rows };
+            one("hc_norm", bytes(&p), nrows * *hc, 256)
+                .then(by_rows(HC_READ, nrows), outs.div_ceil(2), 256)
+                .then(by_rows(HC_READ_MIX, nrows), dim.div_ceil(8), 256)
         }
         Op::HcWrite { h, y, inj, dim, hc } => {
             let p = FpHcWrite {
@@ -279,7 +397,13 @@ pub(crate) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
                 dim: *dim,
                 hc: *hc,
             };
-            one("hc_write", bytes(&p), rows, 256)
+            let elems = rows as u64 * *dim as u64 * *hc as u64;
+            one(
+                "hc_write",
+                bytes(&p),
+                elems.div_ceil(1024).clamp(1, 4096) as u32,
+                256,
+            )
         }
         Op::PleEmbed {
             history,
@@ -357,7 +481,13 @@ pub(crate) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
                 eps: *eps,
                 pad: 0,
             };
-            one("ple_mix", bytes(&p), streams, 1024)
+            LaunchSpec {
+                kernel: "ple_mix",
+                params: bytes(&p),
+                grid: (streams, p.hc, 1),
+                block: (256, 1, 1),
+                then: Vec::new(),
+            }
         }
         Op::PleCommit {
             history,
@@ -378,7 +508,13 @@ pub(crate) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
                 tail_len: (a.st_elems(*tail) / *width as u64) as u32,
                 pad: 0,
             };
-            one("ple_commit", bytes(&p), streams, 256)
+            LaunchSpec {
+                kernel: "ple_commit",
+                params: bytes(&p),
+                grid: (streams, p.width.div_ceil(256), 1),
+                block: (256, 1, 1),
+                then: Vec::new(),
+            }
         }
         Op::GdnConv {
             x,
@@ -438,7 +574,7 @@ pub(crate) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
                 params: bytes(&p),
                 grid: (*hv, streams, dv.div_ceil(32)),
                 block: (32, 1, 1),
-                then: None,
+                then: Vec::new(),
             }
         }
         Op::GdnCommit {
@@ -473,7 +609,7 @@ pub(crate) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
                 params: bytes(&p),
                 grid: (*hv, streams, dv.div_ceil(32)),
                 block: (32, 1, 1),
-                then: None,
+                then: Vec::new(),
             }
         }
         Op::GatedNorm {
@@ -598,7 +734,20 @@ pub(crate) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
                 attn_factor: af,
                 eps: *eps,
             };
-            one("indexer_select", bytes(&p), rows, 256)
+            if *ih * *id > 4096 || *id > 512 {
+                return Err(BackendError::Device(format!(
+                    "indexer_select: {ih} heads of {id} (at most 4096 values, id <= 512) is not supported"
+                )));
+            }
+            let chunks = p.nb_max.div_ceil(16);
+            LaunchSpec {
+                kernel: "indexer_score",
+                params: bytes(&p),
+                grid: (rows, chunks, 1),
+                block: (256, 1, 1),
+                then: Vec::new(),
+            }
+            .then("indexer_select", rows, 1024)
         }
         Op::SparseAttn {
             q,
@@ -628,13 +777,23 @@ pub(crate) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
                 topk: *topk,
                 max_tokens: (*topk + 1) * *ratio,
             };
+            let g = heads / kv_heads.max(&1);
+            let nsplit = p.max_tokens.div_ceil(SA_CHUNK);
+            if g > 16 || g * hd > 8192 || nsplit > 256 || heads % kv_heads.max(&1) != 0 {
+                return Err(BackendError::Device(format!(
+                    "sparse_attn: {heads} heads over {kv_heads} kv heads of {hd} with {} tokens is not supported \
+                     (at most 16 heads per kv head, 8192 query values per kv head, 256 chunks)",
+                    p.max_tokens
+                )));
+            }
             LaunchSpec {
                 kernel: "sparse_attn",
                 params: bytes(&p),
-                grid: (rows, *heads, 1),
-                block: (512, 1, 1),
-                then: None,
+                grid: (rows, *kv_heads, nsplit),
+                block: (256, 1, 1),
+                then: Vec::new(),
             }
+            .then("sparse_attn_combine", rows * heads, 256)
         }
         Op::IndexerCommit {
             raw_keys,
@@ -688,7 +847,7 @@ pub(crate) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
                 dim: *dim,
                 norm: *norm as u32,
             };
-            one("router", bytes(&p), experts.div_ceil(16), 256).then(
+            one(by_rows(ROUTER, rows), bytes(&p), experts.div_ceil(16), 256).then(
                 "router_topk",
                 rows.div_ceil(8),
                 256,
@@ -746,8 +905,8 @@ pub(crate) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
                 dim: *dim,
                 inter: *inter,
             };
-            one("shared_expert", bytes(&p), (*inter + 1).div_ceil(8), 256).then(
-                "shared_expert_down",
+            one(by_rows(SHARED_EXPERT, rows), bytes(&p), (*inter + 1).div_ceil(8), 256).then(
+                by_rows(SHARED_EXPERT_DOWN, rows),
                 dim.div_ceil(16),
                 256,
             )
@@ -772,7 +931,14 @@ pub(crate) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
                 mode,
                 vocab: *vocab,
             };
-            one("sample", bytes(&p), items, 1024)
+            LaunchSpec {
+                kernel: "sample_part",
+                params: bytes(&p),
+                grid: (items, SAMPLE_PARTS, 1),
+                block: (256, 1, 1),
+                then: Vec::new(),
+            }
+            .then("sample", items, 1024)
         }
         Op::KeepCount { sampled, keep } => {
             let p = FpKeepCount {

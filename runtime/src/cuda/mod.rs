@@ -3,7 +3,8 @@
 //! it is `Send` like every [`Backend`].
 //!
 //! - Weights: the f32 host weights are converted to BF16 at upload (each weight 256-byte aligned in one
-//!   allocation; the manifest's group offsets are not used yet).
+//!   allocation; the manifest's group offsets are not used yet), except MXFP8 weights read only by `Linear` nodes,
+//!   kept as MXFP8 codes and scales for `linear_mxfp8` (`weights.rs`).
 //! - Activations (arena, io buffers) are f32 with the plan's layout; per-slot state is f32 for every piece
 //!   (`slot_elems * 4` bytes per slot at the pieces' element offsets; BF16 caches are a later step).
 //! - All memory (weights, arena, io, slots, round descriptor, scratch, RoPE table, pinned staging) is allocated
@@ -13,6 +14,7 @@
 //! - A missing GPU or driver, or a plan for another arch or other kernel sources, is an error, never a panic.
 
 mod launch;
+mod weights;
 #[allow(missing_docs, dead_code)]
 pub mod params {
     //! Rust mirrors of `kernels/params.h` (generated at build time).
@@ -137,10 +139,10 @@ pub struct CaptureInfo {
 pub struct BenchResult {
     /// Median replay time (CUDA events), microseconds.
     pub median_us: f64,
-    /// Per-kernel time summed over the nodes of one replay, when launched one by one without a graph
-    /// (events around each launch), microseconds, by kernel name.
+    /// Per-kernel time summed over the nodes of one replay, microseconds, by kernel name; a node's time is measured
+    /// inside a graph of 20 back-to-back copies of it (so it includes the in-graph launch gap).
     pub kernels_us: Vec<(String, f64)>,
-    /// Each node's time launched alone (best of three), microseconds, in node order.
+    /// Each node's in-graph time (best of three graph replays, per copy), microseconds, in node order.
     pub nodes_us: Vec<f64>,
 }
 
@@ -175,12 +177,13 @@ pub struct CudaBackend {
     index: BTreeMap<VariantKind, usize>,
     cache: BTreeMap<IoBuf, OnceCell<Vec<f32>>>,
     captures: Vec<CaptureInfo>,
+    mxfp8_weights: usize,
 }
 
 impl CudaBackend {
     /// Starts the GPU thread: checks the device against the plan's arch and the plan's kernels against the bundled
-    /// sources, loads the cubins, uploads the weights (BF16; `None` entries are not loaded) and allocates
-    /// everything. Graphs are captured on first use.
+    /// sources, loads the cubins, uploads the weights (BF16, or MXFP8 for MXFP8 weights only `Linear` nodes read;
+    /// `None` entries are not loaded) and allocates everything. Graphs are captured on first use.
     ///
     /// # Errors
     /// [`BackendError::Device`] for a missing GPU, a plan for another arch or other kernel sources, or a CUDA error.
@@ -189,16 +192,9 @@ impl CudaBackend {
         weights: &[Option<Vec<f32>>],
     ) -> Result<CudaBackend, BackendError> {
         let want = check_plan(&body)?;
-        // Upload in bf16, converted here (the GPU thread only copies).
-        let mut bf: Vec<Option<Vec<u16>>> = Vec::with_capacity(weights.len());
-        for w in weights {
-            bf.push(w.as_ref().map(|w| {
-                w.iter()
-                    .map(|x| half::bf16::from_f32(*x).to_bits())
-                    .collect()
-            }));
-        }
-        Self::start(body, bf, want)
+        // Device forms (BF16, or MXFP8 codes and scales: weights.rs) converted here (the GPU thread only copies).
+        let dev = weights::device_forms(&body, weights);
+        Self::start(body, dev, want)
     }
 
     /// As [`CudaBackend::new`] with the weights given directly as BF16 bit patterns (`None` entries are not
@@ -211,16 +207,25 @@ impl CudaBackend {
         weights: Vec<Option<Vec<u16>>>,
     ) -> Result<CudaBackend, BackendError> {
         let want = check_plan(&body)?;
-        Self::start(body, weights, want)
+        let dev = weights
+            .into_iter()
+            .map(|w| w.map(weights::DevWeight::Bf16))
+            .collect();
+        Self::start(body, dev, want)
     }
 
     fn start(
         body: Arc<PlanBody>,
-        bf: Vec<Option<Vec<u16>>>,
+        bf: Vec<Option<weights::DevWeight>>,
         want: (i32, i32),
     ) -> Result<CudaBackend, BackendError> {
         let (tx, rx) = channel::<Cmd>();
         let (ready_tx, ready_rx) = channel::<Result<(), BackendError>>();
+        let mxfp8_weights = bf
+            .iter()
+            .flatten()
+            .filter(|w| matches!(w, weights::DevWeight::Mxfp8(_)))
+            .count();
         let b2 = Arc::clone(&body);
         let worker = std::thread::Builder::new()
             .name("flashplan-gpu".into())
@@ -251,6 +256,7 @@ impl CudaBackend {
             index,
             cache,
             captures: Vec::new(),
+            mxfp8_weights,
         };
         for s in 0..be.body.state.slots {
             be.try_reset_slot(s)?;
@@ -321,6 +327,11 @@ impl CudaBackend {
     /// Graph captures so far (variant, nodes, capture + instantiate time).
     pub fn captures(&self) -> &[CaptureInfo] {
         &self.captures
+    }
+
+    /// How many weights device memory holds as MXFP8 codes and scales (their `Linear` nodes run `linear_mxfp8`).
+    pub fn mxfp8_weights(&self) -> usize {
+        self.mxfp8_weights
     }
 
     /// Replays a variant `iters` times after warm-up and times it; also times each kernel launched one by one.
@@ -518,6 +529,19 @@ struct Graph {
     graph: sys::CUgraph,
 }
 
+impl Drop for Graph {
+    fn drop(&mut self) {
+        // SAFETY: created by instantiate / end_capture, destroyed once (here).
+        unsafe {
+            let _ = result::graph::exec_destroy(self.exec);
+            let _ = result::graph::destroy(self.graph);
+        }
+    }
+}
+
+/// Copies of one node per benchmark graph (`CudaBackend::bench`).
+const NODE_REPEATS: u32 = 20;
+
 /// Everything the GPU thread owns.
 struct Worker {
     body: Arc<PlanBody>,
@@ -526,6 +550,8 @@ struct Worker {
     #[allow(dead_code)] // held for its allocation (weight_ptr points into it)
     weights: Option<DevBuf>,
     weight_ptr: Vec<u64>,
+    /// MXFP8 scales of each weight held as MXFP8 (weights.rs), 0 for the others.
+    weight_scales: Vec<u64>,
     arena: DevBuf,
     io: BTreeMap<IoBuf, DevBuf>,
     slots: DevBuf,
@@ -542,13 +568,8 @@ struct Worker {
 
 impl Drop for Worker {
     fn drop(&mut self) {
-        for (_, g) in self.graphs.drain() {
-            // SAFETY: created by instantiate / end_capture, destroyed once.
-            unsafe {
-                let _ = result::graph::exec_destroy(g.exec);
-                let _ = result::graph::destroy(g.graph);
-            }
-        }
+        // Graphs first (their Drop destroys them), before the memory and modules they use.
+        self.graphs.clear();
         for m in self.modules.drain(..) {
             // SAFETY: loaded once, unloaded once, after every graph using it is gone.
             let _ = unsafe { result::module::unload(m) };
@@ -559,7 +580,7 @@ impl Drop for Worker {
 impl Worker {
     fn new(
         body: Arc<PlanBody>,
-        weights: Vec<Option<Vec<u16>>>,
+        weights: Vec<Option<weights::DevWeight>>,
         want: (i32, i32),
     ) -> Result<Worker, BackendError> {
         let ctx = CudaContext::new(0).map_err(dev_err("CUDA context"))?;
@@ -594,32 +615,26 @@ impl Worker {
                 funcs.insert(e.clone(), f);
             }
         }
-        // Weights, bf16, 256-byte aligned each.
-        let mut offsets = Vec::with_capacity(weights.len());
-        let mut total = 0usize;
-        for w in &weights {
-            match w {
-                Some(v) => {
-                    offsets.push(Some(total));
-                    total += (v.len() * 2).div_ceil(256) * 256;
-                }
-                None => offsets.push(None),
-            }
-        }
+        // Weights, BF16 or MXFP8 (weights.rs), 256-byte aligned each.
+        let (offsets, total) = weights::place(&weights);
         let wbuf = if total > 0 {
             Some(DevBuf::new(total)?)
         } else {
             None
         };
         let mut weight_ptr = vec![0u64; weights.len()];
+        let mut weight_scales = vec![0u64; weights.len()];
         if let Some(wb) = &wbuf {
-            for (i, (w, off)) in weights.iter().zip(&offsets).enumerate() {
-                if let (Some(v), Some(off)) = (w, off) {
-                    let dst = wb.ptr + *off as u64;
-                    // SAFETY: dst..dst+len*2 lies inside the allocation.
-                    unsafe { result::memcpy_htod_sync(dst, v.as_slice()) }
-                        .map_err(dev_err("weight upload"))?;
-                    weight_ptr[i] = dst;
+            for (i, (w, at)) in weights.iter().zip(&offsets).enumerate() {
+                if let (Some(w), Some(at)) = (w, at) {
+                    for (off, b) in w.pieces() {
+                        let dst = wb.ptr + (at.data + off) as u64;
+                        // SAFETY: dst..dst+len lies inside the allocation (weights::place sized it).
+                        unsafe { result::memcpy_htod_sync(dst, b) }
+                            .map_err(dev_err("weight upload"))?;
+                    }
+                    weight_ptr[i] = wb.ptr + at.data as u64;
+                    weight_scales[i] = at.scales.map_or(0, |o| wb.ptr + o as u64);
                 }
             }
         }
@@ -656,6 +671,7 @@ impl Worker {
             graphs: HashMap::new(),
             weights: wbuf,
             weight_ptr,
+            weight_scales,
             arena,
             io,
             slots,
@@ -731,6 +747,7 @@ impl Worker {
             arena: self.arena.ptr,
             io: &io_ptr,
             weights: &self.weight_ptr,
+            mxfp8_scales: &self.weight_scales,
             common,
             rope: self.rope.ptr,
             rope_cfg: &self.rope_cfg,
@@ -751,7 +768,7 @@ impl Worker {
         // points into this worker's allocations, which outlive the launch (and every graph).
         unsafe { result::launch_kernel(f, sp.grid, sp.block, 0, self.cu(), &mut args) }
             .map_err(|e| BackendError::Device(format!("launching {}: {e}", sp.kernel)))?;
-        if let Some((k2, grid, block)) = sp.then {
+        for &(k2, grid, block) in &sp.then {
             let f2 = *self.funcs.get(k2).ok_or_else(|| {
                 BackendError::Device(format!("the plan's kernels have no entry point `{k2}`"))
             })?;
@@ -795,7 +812,7 @@ impl Worker {
         self.graphs.insert(i, Graph { exec, graph });
         Ok(Some(CaptureInfo {
             variant: self.body.variants[i].kind.name(),
-            nodes: specs.len() + specs.iter().filter(|s| s.then.is_some()).count(),
+            nodes: specs.iter().map(|s| s.launches()).sum(),
             ms: t0.elapsed().as_secs_f64() * 1e3,
         }))
     }
@@ -896,6 +913,33 @@ impl Worker {
         self.dtoh(self.slot_ptr(s)?, self.body.state.slot_elems as usize)
     }
 
+    /// A graph of `n` back-to-back launches of one node (benchmarks only; the node's side effects repeat).
+    fn repeat_graph(&self, sp: &launch::LaunchSpec, n: u32) -> Result<Graph, BackendError> {
+        // SAFETY: capture on our non-default stream in thread-local mode; ended below on every path.
+        unsafe {
+            result::stream::begin_capture(
+                self.cu(),
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            )
+        }
+        .map_err(dev_err("begin capture"))?;
+        let mut launched = Ok(());
+        for _ in 0..n {
+            launched = self.launch(sp);
+            if launched.is_err() {
+                break;
+            }
+        }
+        // SAFETY: the capture begun above.
+        let graph = unsafe { result::stream::end_capture(self.cu()) };
+        launched?;
+        let graph = graph.map_err(dev_err("end capture"))?;
+        // SAFETY: graph is a valid captured graph.
+        let exec = unsafe { result::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) }
+            .map_err(dev_err("graph instantiate"))?;
+        Ok(Graph { exec, graph })
+    }
+
     fn bench(&mut self, i: usize, d: &[u8], iters: u32) -> Result<BenchResult, BackendError> {
         self.capture(i)?;
         self.upload_desc(d)?;
@@ -927,10 +971,25 @@ impl Worker {
         let mut per: BTreeMap<String, f64> = BTreeMap::new();
         let mut nodes_us = Vec::with_capacity(specs.len());
         for sp in &specs {
+            // The node's cost inside a graph: a graph of NODE_REPEATS back-to-back copies of it, replayed; the time
+            // per copy includes the in-graph launch gap, as in the variant's own graph.
+            let g = self.repeat_graph(sp, NODE_REPEATS)?;
             let mut best = f64::MAX;
             for _ in 0..3 {
-                best = best.min(time(self, &|t| t.launch(sp))? as f64 * 1e3);
+                // SAFETY: an instantiated graph on our stream.
+                let t = time(self, &|t| {
+                    unsafe { result::graph::launch(g.exec, t.cu()) }
+                        .map_err(dev_err("graph launch"))
+                });
+                match t {
+                    Ok(ms) => best = best.min(ms as f64 * 1e3 / NODE_REPEATS as f64),
+                    Err(e) => {
+                        drop(g);
+                        return Err(e);
+                    }
+                }
             }
+            drop(g);
             *per.entry(sp.kernel.to_string()).or_default() += best;
             nodes_us.push(best);
         }
