@@ -3,7 +3,6 @@
 
 #define ATTN_MAX_HD 512
 #define ATTN_WARPS 8
-#define SA_WARPS 16
 
 // One block per row, one warp per head: q = RoPE(q_norm(q part)), gate copied; k = RoPE(k_norm(k)) and v written
 // to the slot's caches at pos + j.
@@ -73,62 +72,40 @@ extern "C" __global__ void indexer_prep(const FpIndexerPrep p) {
     }
 }
 
-// One block per row: score every complete visible block (pooled key when committed, else computed from the raw
-// keys), keep the top `topk` (score desc, id asc) sorted by block id. Scores live in scratch [rows, 2 nb_max];
-// chosen blocks are marked -1 (scores are >= 0).
-#define SEL_SH 4096
-extern "C" __global__ void indexer_select(const FpIndexerSelect p) {
-    __shared__ float key[ATTN_WARPS][ATTN_MAX_HD];
-    __shared__ float scs[SEL_SH];
+// QSA selection in two launches (one node). Scores live in scratch [rows, 2 nb_max].
+// - indexer_score: block (row, SC_CHUNK visible blocks), a warp per block: sum over indexer heads (in order) of
+//   relu(q_h . k_b) / sqrt(id), with k_b the pooled key when committed, else computed from the raw keys. The
+//   lane takes 4 consecutive dims at a time, then a fixed warp tree: a block's score never depends on the grid.
+// - indexer_select: block per row (1024 threads): radix select of the topk-th largest score, then the blocks above
+//   it and the lowest-index blocks equal to it: the same set as repeated argmax with lowest-index ties; the kept
+//   ids are written in ascending order (block prefix sums).
+#define SC_CHUNK 16
+#define IDX_MAX_Q 4096
+extern "C" __global__ void indexer_score(const FpIndexerSelect p) {
+    __shared__ float qs[IDX_MAX_Q];
+    __shared__ __align__(16) float key[ATTN_WARPS][ATTN_MAX_HD];
     const FpCommon& c = p.c;
     const u32 R = c.nstreams * c.window;
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const u32 id = p.id;
-    const float inv_sqrt = sqrtf((float)id);
+    const float sq = sqrtf((float)id);
     for (u32 r = blockIdx.x; r < R; r += gridDim.x) {
         u32 s, j;
         if (!real_row(c, r, s, j)) continue;
         const FpStream& st = stream_of(c, s);
         const u32 pos = st.pos + j;
         const u32 nb = (pos + 1) / p.ratio;
+        const u32 b0 = blockIdx.y * SC_CHUNK;
+        if (nb <= p.topk || b0 >= nb) continue;
         const float* raw = state_of(c, st.slot, p.raw_keys);
         const float* pooled = state_of(c, st.slot, p.pooled);
+        const bool vec = (id & 3) == 0 && (((u64)pooled) & 15) == 0;
         const float* q = fptr(p.q) + (u64)r * p.ih * id;
+        for (u32 i = threadIdx.x; i < p.ih * id; i += blockDim.x) qs[i] = q[i];
+        __syncthreads();
         float* sc = fptr(c.scratch) + (u64)r * 2 * p.nb_max;
-        u32* sel = uptr(p.sel) + (u64)r * p.topk;
-        const u32 take = nb < p.topk ? nb : p.topk;
-        if (nb <= p.topk) {
-            for (u32 i = threadIdx.x; i < p.topk; i += blockDim.x) sel[i] = i < nb ? i : 0xffffffffu;
-            continue;
-        }
-        // Pooled (committed) blocks: 4 per warp at a time, their dots interleaved (same arithmetic per block: per
-        // head lane-order sum and warp tree, heads summed in order).
-        const u32 ncom = st.committed / p.ratio < nb ? st.committed / p.ratio : nb;
-        for (u32 b0 = warp * 4; b0 < ncom; b0 += nw * 4) {
-            const float* kb[4];
-            float tot[4];
-#pragma unroll
-            for (int u = 0; u < 4; u++) {
-                kb[u] = pooled + (u64)(b0 + u < ncom ? b0 + u : b0) * id;
-                tot[u] = 0.0f;
-            }
-            for (u32 hh = 0; hh < p.ih; hh++) {
-                const float* qh = q + hh * id;
-                float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                for (u32 i = lane; i < id; i += 32) {
-                    const float qi = qh[i];
-#pragma unroll
-                    for (int u = 0; u < 4; u++) a[u] += qi * kb[u][i];
-                }
-#pragma unroll
-                for (int u = 0; u < 4; u++) tot[u] += fmaxf(warp_sum(a[u]), 0.0f);
-            }
-            if (lane == 0)
-#pragma unroll
-                for (int u = 0; u < 4; u++)
-                    if (b0 + u < ncom) sc[b0 + u] = tot[u] / inv_sqrt;
-        }
-        for (u32 b = ncom + warp; b < nb; b += nw) {
+        const u32 b1 = b0 + SC_CHUNK < nb ? b0 + SC_CHUNK : nb;
+        for (u32 b = b0 + warp; b < b1; b += nw) {
             const float* k;
             if ((b + 1) * p.ratio <= st.committed) {
                 k = pooled + (u64)b * id;
@@ -137,133 +114,338 @@ extern "C" __global__ void indexer_select(const FpIndexerSelect p) {
                                key[warp], lane);
                 k = key[warp];
             }
-            float acc = 0.0f;
-            for (u32 hh = 0; hh < p.ih; hh++) acc += fmaxf(warp_dot_f(q + hh * id, k, id, lane), 0.0f);
-            if (lane == 0) sc[b] = acc / inv_sqrt;
-            __syncwarp();
-        }
-        __syncthreads();
-        // Top-take by rank: block b is selected when fewer than `take` blocks beat it (higher score, or equal score
-        // and lower index) -- the same set as repeated argmax with lowest-index ties, in O(nb^2 / threads) with
-        // no serial rounds. Ranks go to the second half of the row's scratch, then the marks into sc.
-        float* rk = sc + p.nb_max;
-        const bool in_sh = nb <= SEL_SH;
-        if (in_sh)
-            for (u32 b = threadIdx.x; b < nb; b += blockDim.x) scs[b] = sc[b];
-        __syncthreads();
-        const float* sv = in_sh ? scs : sc;
-        for (u32 b = threadIdx.x; b < nb; b += blockDim.x) {
-            const float v = sv[b];
-            u32 beat = 0;
-            for (u32 q = 0; q < nb; q++) {
-                const float u = sv[q];
-                beat += (u > v || (u == v && q < b)) ? 1u : 0u;
+            float tot = 0.0f;
+            if (vec) {
+                float kv[4][4];
+                const u32 nch = (id / 4 + 31) / 32;
+#pragma unroll
+                for (int u = 0; u < 4; u++) {
+                    const u32 d = (lane + 32 * u) * 4;
+                    if ((u32)u < nch && d < id) {
+                        const float4 v4 = *(const float4*)(k + d);
+                        kv[u][0] = v4.x; kv[u][1] = v4.y; kv[u][2] = v4.z; kv[u][3] = v4.w;
+                    } else {
+                        kv[u][0] = kv[u][1] = kv[u][2] = kv[u][3] = 0.0f;
+                    }
+                }
+                for (u32 hh = 0; hh < p.ih; hh++) {
+                    const float* qh = qs + hh * id;
+                    float a = 0.0f;
+#pragma unroll
+                    for (int u = 0; u < 4; u++) {
+                        const u32 d = (lane + 32 * u) * 4;
+                        if ((u32)u >= nch || d >= id) continue;
+                        float t = qh[d] * kv[u][0];
+                        t = fmaf(qh[d + 1], kv[u][1], t);
+                        t = fmaf(qh[d + 2], kv[u][2], t);
+                        t = fmaf(qh[d + 3], kv[u][3], t);
+                        a += t;
+                    }
+                    // ids beyond 512 (4 chunks of 128): the rest, scalar, in order.
+                    for (u32 d = 512 + lane; d < id; d += 32) a = fmaf(qh[d], k[d], a);
+                    tot += fmaxf(warp_sum(a), 0.0f);
+                }
+            } else {
+                for (u32 hh = 0; hh < p.ih; hh++) tot += fmaxf(warp_dot_f(qs + hh * id, k, id, lane), 0.0f);
             }
-            rk[b] = beat < take ? 1.0f : 0.0f;
-        }
-        __syncthreads();
-        for (u32 b = threadIdx.x; b < nb; b += blockDim.x)
-            if (rk[b] > 0.5f) sc[b] = -1.0f;
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            u32 n = 0;
-            for (u32 b = 0; b < nb && n < take; b++)
-                if (sc[b] < 0.0f) sel[n++] = b;
-            for (; n < p.topk; n++) sel[n] = 0xffffffffu;
+            if (lane == 0) sc[b] = tot / sq;
+            __syncwarp();
         }
         __syncthreads();
     }
 }
 
-// Block (row, head): softmax(q.k / sqrt(hd)) v over the selected blocks' tokens and the tail, times sigmoid(gate).
-// Scores in scratch [rows * heads, max_tokens].
-extern "C" __global__ void sparse_attn(const FpSparseAttn p) {
-    __shared__ float sh[32];
-    __shared__ float part[SA_WARPS][ATTN_MAX_HD];
+// Exclusive prefix sum over the block (fixed order); `sh` holds 33 u32. Every thread gets its offset and the total.
+DEV u32 block_scan_u32(u32 v, u32* sh, u32& total) {
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    u32 x = v;
+    for (int o = 1; o < 32; o <<= 1) {
+        const u32 y = __shfl_up_sync(FULL_MASK, x, o);
+        if (lane >= (u32)o) x += y;
+    }
+    __syncthreads();
+    if (lane == 31) sh[warp] = x;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u32 acc = 0;
+        for (u32 i = 0; i < nw; i++) {
+            const u32 t = sh[i];
+            sh[i] = acc;
+            acc += t;
+        }
+        sh[32] = acc;
+    }
+    __syncthreads();
+    total = sh[32];
+    return sh[warp] + x - v;
+}
+
+extern "C" __global__ void indexer_select(const FpIndexerSelect p) {
+    __shared__ u32 hist[256];
+    __shared__ u32 scan[33];
+    __shared__ u32 sh_prefix, sh_need;
     const FpCommon& c = p.c;
     const u32 R = c.nstreams * c.window;
-    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    const u32 hd = p.hd;
-    const u32 hh = blockIdx.y;
-    if (hh >= p.heads) return;
-    const u32 kv = hh / (p.heads / p.kv_heads);
-    const u64 w = (u64)p.kv_heads * hd;
-    const float scale = 1.0f / sqrtf((float)hd);
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     for (u32 r = blockIdx.x; r < R; r += gridDim.x) {
         u32 s, j;
         if (!real_row(c, r, s, j)) continue;
         const FpStream& st = stream_of(c, s);
         const u32 pos = st.pos + j;
         const u32 nb = (pos + 1) / p.ratio;
+        u32* sel = uptr(p.sel) + (u64)r * p.topk;
+        if (nb <= p.topk) {
+            for (u32 i = threadIdx.x; i < p.topk; i += blockDim.x) sel[i] = i < nb ? i : 0xffffffffu;
+            continue;
+        }
+        const u32* sc = (const u32*)(fptr(c.scratch) + (u64)r * 2 * p.nb_max);
+        // Radix select of the topk-th largest score (scores are >= +0, so their bit patterns order as u32): four
+        // 8-bit digits from the top, each a histogram of the candidates sharing the digits chosen so far.
+        u32 prefix = 0, mask = 0, need = p.topk;
+        for (int shift = 24; shift >= 0; shift -= 8) {
+            for (u32 i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
+            __syncthreads();
+            for (u32 b = threadIdx.x; b < nb; b += blockDim.x) {
+                const u32 x = sc[b];
+                if ((x & mask) == prefix) atomicAdd(&hist[(x >> shift) & 255u], 1u);
+            }
+            __syncthreads();
+            if (warp == 0) {
+                // Lane l holds digits 255 - 8l .. 248 - 8l (descending); counts from the top, scanned over lanes.
+                u32 cnt[8], sum = 0;
+#pragma unroll
+                for (int i = 0; i < 8; i++) {
+                    cnt[i] = hist[255 - (lane * 8 + i)];
+                    sum += cnt[i];
+                }
+                u32 incl = sum;
+                for (int o = 1; o < 32; o <<= 1) {
+                    const u32 y = __shfl_up_sync(FULL_MASK, incl, o);
+                    if (lane >= (u32)o) incl += y;
+                }
+                u32 acc = incl - sum;
+                if (acc < need && need <= incl) {
+#pragma unroll
+                    for (int i = 0; i < 8; i++) {
+                        if (acc + cnt[i] >= need) {
+                            sh_prefix = prefix | ((255u - (lane * 8 + i)) << shift);
+                            sh_need = need - acc;
+                            break;
+                        }
+                        acc += cnt[i];
+                    }
+                }
+            }
+            __syncthreads();
+            prefix = sh_prefix;
+            need = sh_need;
+            mask |= 255u << shift;
+            __syncthreads();
+        }
+        // prefix is now the threshold score: keep every block above it and the `need` lowest-index blocks equal to it
+        // (score desc, id asc). Thread t owns the contiguous blocks [t * per, (t + 1) * per); ids in ascending order.
+        const u32 per = (nb + blockDim.x - 1) / blockDim.x;
+        const u32 lo = threadIdx.x * per < nb ? threadIdx.x * per : nb;
+        const u32 hi = lo + per < nb ? lo + per : nb;
+        u32 eq = 0;
+        for (u32 b = lo; b < hi; b++) eq += sc[b] == prefix ? 1u : 0u;
+        u32 total;
+        const u32 eq_before = block_scan_u32(eq, scan, total);
+        u32 mine = 0, e = eq_before;
+        for (u32 b = lo; b < hi; b++) {
+            const u32 x = sc[b];
+            const bool keep = x > prefix || (x == prefix && e < need);
+            e += x == prefix ? 1u : 0u;
+            mine += keep ? 1u : 0u;
+        }
+        u32 off = block_scan_u32(mine, scan, total);
+        e = eq_before;
+        for (u32 b = lo; b < hi; b++) {
+            const u32 x = sc[b];
+            const bool keep = x > prefix || (x == prefix && e < need);
+            e += x == prefix ? 1u : 0u;
+            if (keep) sel[off++] = b;
+        }
+        for (u32 i = total + threadIdx.x; i < p.topk; i += blockDim.x) sel[i] = 0xffffffffu;
+        __syncthreads();
+    }
+}
+
+// Sparse attention in two launches (one node), flash-decoding style over a fixed token partition.
+// - sparse_attn: block (row, kv head, chunk of SA_CHUNK tokens) for all the kv head's query heads: scores
+//   q.k / sqrt(hd) (warp per token, lane per 8 dims, fixed tree), the chunk's max m and sum l of exp(s - m), and
+//   o = sum exp(s - m) v (thread per value column, tokens in order) into scratch [rows, heads, nchunks, 2 + hd].
+// - sparse_attn_combine: block per (row, head): M = max m_z, out = sum_z exp(m_z - M) o_z / sum_z exp(m_z - M) l_z
+//   (chunks in order), times sigmoid(gate).
+// The token partition depends only on the position (never on the grid or the other rows): row invariant.
+#define SA_CHUNK 32
+#define SA_MAX_G 16
+#define SA_MAX_Q 8192
+#define SA_MAX_SPLIT 256
+DEV u32 sa_nt(const FpSparseAttn& p, u32 pos, u32& nsel, u32& nb) {
+    nb = (pos + 1) / p.ratio;
+    nsel = nb < p.topk ? nb : p.topk;
+    return nsel * p.ratio + (pos + 1 - nb * p.ratio);
+}
+DEV u32 sa_nsplit(const FpSparseAttn& p) { return (p.max_tokens + SA_CHUNK - 1) / SA_CHUNK; }
+
+extern "C" __global__ void sparse_attn(const FpSparseAttn p) {
+    __shared__ float qs[SA_MAX_Q];
+    __shared__ float ps[SA_MAX_G][SA_CHUNK];
+    __shared__ u32 toks[SA_CHUNK];
+    const FpCommon& c = p.c;
+    const u32 R = c.nstreams * c.window;
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const u32 hd = p.hd, G = p.heads / p.kv_heads, kv = blockIdx.y, z = blockIdx.z;
+    if (kv >= p.kv_heads) return;
+    const u64 w = (u64)p.kv_heads * hd;
+    const float scale = 1.0f / sqrtf((float)hd);
+    const u32 nsplit = sa_nsplit(p);
+    for (u32 r = blockIdx.x; r < R; r += gridDim.x) {
+        u32 s, j;
+        if (!real_row(c, r, s, j)) continue;
+        const FpStream& st = stream_of(c, s);
+        const u32 pos = st.pos + j;
+        u32 nsel, nb;
+        const u32 nt = sa_nt(p, pos, nsel, nb);
+        const u32 m0 = z * SA_CHUNK;
+        if (m0 >= nt) continue;
+        const u32 cnt = nt - m0 < SA_CHUNK ? nt - m0 : SA_CHUNK;
         const u32* sel = uptr(p.sel) + (u64)r * p.topk;
-        u32 nsel = 0;
-        while (nsel < p.topk && sel[nsel] != 0xffffffffu) nsel++;
-        const u32 nt = nsel * p.ratio + (pos + 1 - nb * p.ratio);
         const float* kc = state_of(c, st.slot, p.k_cache);
         const float* vc = state_of(c, st.slot, p.v_cache);
-        const float* q = fptr(p.q) + (u64)r * p.heads * hd + hh * hd;
-        float* sc = fptr(c.scratch) + ((u64)r * p.heads + hh) * p.max_tokens;
-#define TOK(m) ((m) < nsel * p.ratio ? sel[(m) / p.ratio] * p.ratio + (m) % p.ratio : nb * p.ratio + (m) - nsel * p.ratio)
-        // Scores: warp w takes tokens 4w.., 4 at a time (independent dots in flight); each dot is the same lane
-        // order and warp tree whatever the grouping.
-        for (u32 m0 = warp * 4; m0 < nt; m0 += nw * 4) {
-            const float* kr[4];
-            float acc[4];
-#pragma unroll
-            for (int u = 0; u < 4; u++) {
-                kr[u] = kc + (u64)TOK(m0 + u < nt ? m0 + u : m0) * w + kv * hd;
-                acc[u] = 0.0f;
-            }
-            for (u32 i = lane; i < hd; i += 32) {
-                const float qi = q[i];
-#pragma unroll
-                for (int u = 0; u < 4; u++) acc[u] = fmaf(qi, kr[u][i], acc[u]);
-            }
-#pragma unroll
-            for (int u = 0; u < 4; u++) {
-                const float d = warp_sum(acc[u]);
-                if (lane == 0 && m0 + u < nt) sc[m0 + u] = d * scale;
-            }
+        const bool vec = (hd & 7) == 0 && ((((u64)kc) | (w * 4)) & 15) == 0;
+        for (u32 i = threadIdx.x; i < cnt; i += blockDim.x) {
+            const u32 m = m0 + i;
+            toks[i] = m < nsel * p.ratio ? sel[m / p.ratio] * p.ratio + m % p.ratio : nb * p.ratio + m - nsel * p.ratio;
         }
+        const float* q = fptr(p.q) + (u64)r * p.heads * hd + (u64)kv * G * hd;
+        for (u32 i = threadIdx.x; i < G * hd; i += blockDim.x) qs[i] = q[i];
         __syncthreads();
-        float mx = -INFINITY;
-        for (u32 m = threadIdx.x; m < nt; m += blockDim.x) mx = fmaxf(mx, sc[m]);
-        mx = block_max(mx, sh);
-        float z = 0.0f;
-        for (u32 m = threadIdx.x; m < nt; m += blockDim.x) {
-            const float e = expf(sc[m] - mx);
-            sc[m] = e;
-            z += e;
-        }
-        z = block_sum(z, sh);
-        // P.V: warp w takes tokens m = w, w + nw, ... (lane per value column), partials summed over warps in order.
-        {
-            float o[ATTN_MAX_HD / 32];
+        // Scores: warp per token. Fast path (hd <= 256, aligned): each warp loads all its tokens' keys first.
+        if (vec && hd <= 256) {
+            float kreg[SA_CHUNK / ATTN_WARPS][8];
 #pragma unroll
-            for (int kd = 0; kd < ATTN_MAX_HD / 32; kd++) o[kd] = 0.0f;
-            for (u32 m = warp; m < nt; m += nw) {
-                const float pm = sc[m] / z;
-                const float* vr = vc + (u64)TOK(m) * w + kv * hd;
+            for (int u = 0; u < SA_CHUNK / ATTN_WARPS; u++) {
+                const u32 i = warp + nw * u, d0 = lane * 8;
+                if (i < cnt && d0 < hd) {
+                    load_x8(kc + (u64)toks[i] * w + (u64)kv * hd + d0, true, kreg[u]);
+                } else {
 #pragma unroll
-                for (int kd = 0; kd < ATTN_MAX_HD / 32; kd++) {
-                    const u32 d = lane + 32 * kd;
-                    if (d < hd) o[kd] += pm * vr[d];
+                    for (int e = 0; e < 8; e++) kreg[u][e] = 0.0f;
                 }
             }
 #pragma unroll
-            for (int kd = 0; kd < ATTN_MAX_HD / 32; kd++) {
-                const u32 d = lane + 32 * kd;
-                if (d < hd) part[warp][d] = o[kd];
+            for (int u = 0; u < SA_CHUNK / ATTN_WARPS; u++) {
+                const u32 i = warp + nw * u, d0 = lane * 8;
+                if (i >= cnt) break;
+#pragma unroll
+                for (int g = 0; g < SA_MAX_G; g++) {
+                    if ((u32)g >= G) break;
+                    const float a = d0 < hd ? dot8(qs + g * hd + d0, kreg[u]) : 0.0f;
+                    const float d = warp_sum(a);
+                    if (lane == 0) ps[g][i] = d * scale;
+                }
             }
+        } else {
+            for (u32 i = warp; i < cnt; i += nw) {
+                const float* kr = kc + (u64)toks[i] * w + (u64)kv * hd;
+                float acc[SA_MAX_G];
+#pragma unroll
+                for (int g = 0; g < SA_MAX_G; g++) acc[g] = 0.0f;
+                for (u32 d = lane; d < hd; d += 32) {
+                    const float kd = kr[d];
+#pragma unroll
+                    for (int g = 0; g < SA_MAX_G; g++)
+                        if ((u32)g < G) acc[g] = fmaf(qs[g * hd + d], kd, acc[g]);
+                }
+#pragma unroll
+                for (int g = 0; g < SA_MAX_G; g++) {
+                    if ((u32)g >= G) break;
+                    const float d = warp_sum(acc[g]);
+                    if (lane == 0) ps[g][i] = d * scale;
+                }
+            }
+        }
+        __syncthreads();
+        // Chunk max and exp-sum per head: warp per head.
+        for (u32 g = warp; g < G; g += nw) {
+            float mx = -INFINITY;
+            for (u32 i = lane; i < cnt; i += 32) mx = fmaxf(mx, ps[g][i]);
+            mx = warp_max(mx);
+            float l = 0.0f;
+            for (u32 i = lane; i < cnt; i += 32) {
+                const float e = expf(ps[g][i] - mx);
+                ps[g][i] = e;
+                l += e;
+            }
+            l = warp_sum(l);
+            if (lane == 0) {
+                float* part = fptr(c.scratch) + (((u64)r * p.heads + kv * G + g) * nsplit + z) * (2 + hd);
+                part[0] = mx;
+                part[1] = l;
+            }
+        }
+        __syncthreads();
+        // P.V: thread per value column, tokens in order.
+        for (u32 d = threadIdx.x; d < hd; d += blockDim.x) {
+            float o[SA_MAX_G];
+#pragma unroll
+            for (int g = 0; g < SA_MAX_G; g++) o[g] = 0.0f;
+#pragma unroll 8
+            for (u32 i = 0; i < cnt; i++) {
+                const float vv = vc[(u64)toks[i] * w + (u64)kv * hd + d];
+#pragma unroll
+                for (int g = 0; g < SA_MAX_G; g++)
+                    if ((u32)g < G) o[g] = fmaf(ps[g][i], vv, o[g]);
+            }
+#pragma unroll
+            for (int g = 0; g < SA_MAX_G; g++) {
+                if ((u32)g >= G) break;
+                fptr(c.scratch)[(((u64)r * p.heads + kv * G + g) * nsplit + z) * (2 + hd) + 2 + d] = o[g];
+            }
+        }
+        __syncthreads();
+    }
+}
+
+extern "C" __global__ void sparse_attn_combine(const FpSparseAttn p) {
+    __shared__ float f[SA_MAX_SPLIT];
+    __shared__ float lsum;
+    const FpCommon& c = p.c;
+    const u32 R = c.nstreams * c.window;
+    const u32 hd = p.hd, nsplit = sa_nsplit(p);
+    for (u32 b = blockIdx.x; b < R * p.heads; b += gridDim.x) {
+        const u32 r = b / p.heads, hh = b % p.heads;
+        u32 s, j;
+        if (!real_row(c, r, s, j)) continue;
+        const FpStream& st = stream_of(c, s);
+        u32 nsel, nb;
+        const u32 nt = sa_nt(p, st.pos + j, nsel, nb);
+        const u32 nz = (nt + SA_CHUNK - 1) / SA_CHUNK;
+        const float* part = fptr(c.scratch) + ((u64)r * p.heads + hh) * nsplit * (2 + hd);
+        if (threadIdx.x < 32) {
+            const u32 lane = threadIdx.x;
+            float M = -INFINITY;
+            for (u32 z = lane; z < nz; z += 32) M = fmaxf(M, part[(u64)z * (2 + hd)]);
+            M = warp_max(M);
+            float L = 0.0f;
+            for (u32 z = lane; z < nz; z += 32) {
+                const float e = expf(part[(u64)z * (2 + hd)] - M);
+                f[z] = e;
+                L += e * part[(u64)z * (2 + hd) + 1];
+            }
+            L = warp_sum(L);
+            if (lane == 0) lsum = L;
         }
         __syncthreads();
         for (u32 d = threadIdx.x; d < hd; d += blockDim.x) {
             float o = 0.0f;
-            for (u32 ww = 0; ww < nw; ww++) o += part[ww][d];
+#pragma unroll 8
+            for (u32 z = 0; z < nz; z++) o = fmaf(f[z], part[(u64)z * (2 + hd) + 2 + d], o);
             const u64 oi = (u64)r * p.heads * hd + hh * hd + d;
-            fptr(p.out)[oi] = o * sigmoidf_(fptr(p.gate)[oi]);
+            fptr(p.out)[oi] = o / lsum * sigmoidf_(fptr(p.gate)[oi]);
         }
-#undef TOK
         __syncthreads();
     }
 }

@@ -284,3 +284,38 @@ DEV float group8_sum(float v) {
             CALL(16);                    \
         }                                \
     } while (0)
+
+// ---- Split-K over a block (linear, hc_read) ----
+// A block of SPLIT_WARPS warps = G output groups x S slices of K (G = SPLIT_WARPS / S, S in 1, 2, 4, 8, chosen by
+// the launch from K alone). Warp w takes group w / S and slice w % S: slice s covers [s * per, (s + 1) * per) with
+// per = ceil(K / 8 / S) * 8 (cut at K), so the slices depend only on K and S. `slice_dots` leaves the warp's partial
+// sums in part[w][m][t] (shared memory); `slice_sum` adds a group's S partials in slice order. With warp_dots'
+// fixed per-(output, row) order this keeps a row's result independent of the other rows: row invariance.
+#define SPLIT_WARPS 8
+DEV void slice_bounds(u32 K, u32 S, u32 sl, u32& ka, u32& kb) {
+    const u32 per = ((K + 7) / 8 + S - 1) / S * 8;
+    ka = sl * per < K ? sl * per : K;
+    kb = ka + per < K ? ka + per : K;
+}
+template <int T, int NPW, int U>
+DEV void slice_dots(const bf16_t* const* w, u32 nm, const float* X, u64 xs, const bool* ok, u32 K, u32 S, bool wvec,
+                    u32 lane, u32 warp, float (*part)[NPW][T]) {
+    u32 ka, kb;
+    slice_bounds(K, S, warp % S, ka, kb);
+    const bf16_t* ws[NPW];
+#pragma unroll
+    for (int m = 0; m < NPW; m++) ws[m] = w[m] + ka;
+    float res[NPW][T];
+    warp_dots<T, NPW, U>(ws, nm, X + ka, xs, ok, kb - ka, wvec, lane, res);
+    if (lane == 0)
+#pragma unroll
+        for (int m = 0; m < NPW; m++)
+#pragma unroll
+            for (int t = 0; t < T; t++) part[warp][m][t] = res[m][t];
+}
+template <int T, int NPW>
+DEV float slice_sum(float (*part)[NPW][T], u32 g, u32 S, u32 m, u32 t) {
+    float v = 0.0f;
+    for (u32 s = 0; s < S; s++) v += part[g * S + s][m][t];
+    return v;
+}

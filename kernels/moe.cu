@@ -43,12 +43,16 @@ DEV void router_t(const FpRouter& p, u32 R) {
     }
 }
 
-extern "C" __global__ void router(const FpRouter p) {
-    const u32 R = p.c.nstreams * p.c.window;
-#define ROUTER_CALL(T) router_t<T>(p, R)
-    DISPATCH_T(R, ROUTER_CALL);
-#undef ROUTER_CALL
+// Entry points per row tile (router_t1 .. router_t16; the launch picks one from the row count).
+template <int T>
+DEV void router_entry(const FpRouter& p) {
+    router_t<T>(p, p.c.nstreams * p.c.window);
 }
+extern "C" __global__ void router_t1(const FpRouter p) { router_entry<1>(p); }
+extern "C" __global__ void router_t2(const FpRouter p) { router_entry<2>(p); }
+extern "C" __global__ void router_t4(const FpRouter p) { router_entry<4>(p); }
+extern "C" __global__ void router_t8(const FpRouter p) { router_entry<8>(p); }
+extern "C" __global__ void router_t16(const FpRouter p) { router_entry<16>(p); }
 
 // Warp per row over the logits in scratch: lane l holds experts l + 32 j.
 extern "C" __global__ void router_topk(const FpRouter p) {
@@ -146,7 +150,7 @@ extern "C" __global__ void experts(const FpExperts p) {
         const bf16_t* w[4] = {gu + (u64)q0 * D, gu + (u64)(I + q0) * D, gu + (u64)q1 * D, gu + (u64)(I + q1) * D};
         const bool ok[1] = {true};
         float res[4][1];
-        warp_dots<1, 4, 2>(w, 4, fptr(p.x) + (u64)r * D, D, ok, D, wvec, lane, res);
+        warp_dots<1, 4, 4>(w, 4, fptr(p.x) + (u64)r * D, D, ok, D, wvec, lane, res);
         float* hid = fptr(c.scratch) + ((u64)r * p.topk + i) * I;
         if (lane == 0) {
             hid[q0] = siluf_(res[0][0]) * res[1][0];
@@ -179,11 +183,20 @@ extern "C" __global__ void experts_down(const FpExperts p) {
                 const bf16_t* dn = (const bf16_t*)p.down + (u64)ids[i] * D * I + (u64)d * I;
                 const float* h = fptr(c.scratch) + ((u64)r * p.topk + i) * I;
                 if (vec) {
-                    for (u32 kk = l8 * 8; kk < I; kk += 64) {
-                        float f[8], x[8];
-                        unpack8(ldg_stream16(dn + kk), f);
-                        load_x8(h + kk, (I & 3) == 0, x);
-                        acc += dot8(f, x);
+                    // Four chunks of each lane in flight at a time; the lane still sums them in ascending k.
+                    for (u32 kb = l8 * 8; kb < I; kb += 256) {
+                        uint4 wv[4];
+#pragma unroll
+                        for (int u = 0; u < 4; u++) wv[u] = kb + 64 * u < I ? ldg_stream16(dn + kb + 64 * u) : zero4();
+#pragma unroll
+                        for (int u = 0; u < 4; u++) {
+                            const u32 kk = kb + 64 * u;
+                            if (kk >= I) continue;
+                            float f[8], x[8];
+                            unpack8(wv[u], f);
+                            load_x8(h + kk, (I & 3) == 0, x);
+                            acc += dot8(f, x);
+                        }
                     }
                 } else {
                     for (u32 kk = l8; kk < I; kk += 8) acc = fmaf(bf2f(dn[kk]), h[kk], acc);
@@ -230,7 +243,7 @@ DEV void shared_t(const FpSharedExpert& p, u32 R) {
 #pragma unroll
             for (int t = 0; t < T; t++) ok[t] = i0 + t < R && row_ok(c, i0 + t, false);
             float res[2][T];
-            warp_dots<T, 2, 2>(w, nm, fptr(p.x) + (u64)i0 * D, D, ok, D, wvec, lane, res);
+            warp_dots<T, 2, 4>(w, nm, fptr(p.x) + (u64)i0 * D, D, ok, D, wvec, lane, res);
             if (lane == 0)
 #pragma unroll
                 for (int t = 0; t < T; t++) {
@@ -244,12 +257,15 @@ DEV void shared_t(const FpSharedExpert& p, u32 R) {
     }
 }
 
-extern "C" __global__ void shared_expert(const FpSharedExpert p) {
-    const u32 R = p.c.nstreams * p.c.window;
-#define SH_CALL(T) shared_t<T>(p, R)
-    DISPATCH_T(R, SH_CALL);
-#undef SH_CALL
+template <int T>
+DEV void shared_entry(const FpSharedExpert& p) {
+    shared_t<T>(p, p.c.nstreams * p.c.window);
 }
+extern "C" __global__ void shared_expert_t1(const FpSharedExpert p) { shared_entry<1>(p); }
+extern "C" __global__ void shared_expert_t2(const FpSharedExpert p) { shared_entry<2>(p); }
+extern "C" __global__ void shared_expert_t4(const FpSharedExpert p) { shared_entry<4>(p); }
+extern "C" __global__ void shared_expert_t8(const FpSharedExpert p) { shared_entry<8>(p); }
+extern "C" __global__ void shared_expert_t16(const FpSharedExpert p) { shared_entry<16>(p); }
 
 // out[r, d] += sg[r] * (down_d . hid[r]); warp per 2 features d, all rows.
 template <int T>
@@ -270,7 +286,7 @@ DEV void shared_down_t(const FpSharedExpert& p, u32 R) {
 #pragma unroll
             for (int t = 0; t < T; t++) ok[t] = i0 + t < R && row_ok(c, i0 + t, false);
             float res[2][T];
-            warp_dots<T, 2, 2>(w, nm, S + (u64)i0 * I, I, ok, I, wvec, lane, res);
+            warp_dots<T, 2, 4>(w, nm, S + (u64)i0 * I, I, ok, I, wvec, lane, res);
             if (lane == 0)
 #pragma unroll
                 for (int m = 0; m < 2; m++)
@@ -284,9 +300,12 @@ DEV void shared_down_t(const FpSharedExpert& p, u32 R) {
     }
 }
 
-extern "C" __global__ void shared_expert_down(const FpSharedExpert p) {
-    const u32 R = p.c.nstreams * p.c.window;
-#define SHD_CALL(T) shared_down_t<T>(p, R)
-    DISPATCH_T(R, SHD_CALL);
-#undef SHD_CALL
+template <int T>
+DEV void shared_down_entry(const FpSharedExpert& p) {
+    shared_down_t<T>(p, p.c.nstreams * p.c.window);
 }
+extern "C" __global__ void shared_expert_down_t1(const FpSharedExpert p) { shared_down_entry<1>(p); }
+extern "C" __global__ void shared_expert_down_t2(const FpSharedExpert p) { shared_down_entry<2>(p); }
+extern "C" __global__ void shared_expert_down_t4(const FpSharedExpert p) { shared_down_entry<4>(p); }
+extern "C" __global__ void shared_expert_down_t8(const FpSharedExpert p) { shared_down_entry<8>(p); }
+extern "C" __global__ void shared_expert_down_t16(const FpSharedExpert p) { shared_down_entry<16>(p); }

@@ -2,7 +2,6 @@
 #include "common.cuh"
 
 #define HC_MAX 16
-#define HC_RANK_MAX 1024
 
 // Zero-centred RMSNorm in groups of `group`: y = x * (1 / sqrt(mean(x^2) + eps)) * (1 + w). out may alias x.
 extern "C" __global__ void rms_norm(const FpRmsNorm p) {
@@ -50,134 +49,91 @@ extern "C" __global__ void gated_norm(const FpGatedNorm p) {
     }
 }
 
-// Hyper-connection read in two launches. Hn = grouped RMSNorm(H, hc_norm); lo = silu(W_down Hn / C),
-// a[d] = mean_c sigmoid(W_up lo)[c*D+d] * Hn[c*D+d], inj[c] = 2 sigmoid(W_inj[c].Hn / C).
-// hc_read: block per HC_QB outputs of [W_down; W_inj] for every row. The inverse norms factor out of the dot:
-// W.Hn = sum_c inv[c] * P[c] with P[c] = sum_{i in group c} W[i] H[i] (1 + w_norm[i]); the block's warps take fixed
-// slices of the groups (spg slices per group), accumulate P and sum(H^2) per slice for every row, and the slices
-// are combined in order. lo goes to scratch [rows, rank], inv to scratch [rows, hc] after it (block 0).
-// hc_read_mix: warp per output d, lane group g (8 lanes) per hyper-connection c = g, g + 4, ...: sigmoid(up . lo)
-// times Hn, summed over c in order.
-#define HC_QB 2
-#define HC_NW 8
+// Hyper-connection read in three launches (one node). Hn = grouped RMSNorm(H, hc_norm) (groups of dim);
+// lo = silu(W_down Hn / C), inj[c] = 2 sigmoid(W_inj[c] . Hn / C), a[d] = mean_c sigmoid(W_up lo)[c*D+d] * Hn[c*D+d].
+// - hc_norm: block per (row, hyper-connection): Hn into scratch [rows, C*D];
+// - hc_read: split-K block dots (common.cuh `slice_dots`) of HC_NPW outputs of [W_down; W_inj] per block over Hn,
+//   every row; lo into scratch [rows, rank] after Hn;
+// - hc_read_mix: warp per output d, lane group g (8 lanes) per hyper-connection c = g, g + 4, ...: sigmoid(up . lo)
+//   times Hn, summed over c in order; each lane has all its up chunks in flight at once.
+#define HC_NPW 2
 
-template <int T>
+DEV u32 hc_rows(const FpHcRead& p) { return p.gathered ? p.c.nstreams : p.c.nstreams * p.c.window; }
+
+extern "C" __global__ void hc_norm(const FpHcRead p) {
+    __shared__ float sh[32];
+    const FpCommon& c = p.c;
+    const u32 nrows = hc_rows(p), W = p.dim * p.hc;
+    float* hn = fptr(c.scratch);
+    for (u32 b = blockIdx.x; b < nrows * p.hc; b += gridDim.x) {
+        const u32 r = b / p.hc, cc = b % p.hc;
+        if (!row_ok(c, r, p.gathered)) continue;
+        const float* x = fptr(p.h) + (u64)r * W + (u64)cc * p.dim;
+        float ss = 0.0f;
+        for (u32 i = threadIdx.x; i < p.dim; i += blockDim.x) ss += x[i] * x[i];
+        ss = block_sum(ss, sh);
+        const float inv = 1.0f / sqrtf(ss / (float)p.dim + p.eps);
+        float* y = hn + (u64)r * W + (u64)cc * p.dim;
+        for (u32 i = threadIdx.x; i < p.dim; i += blockDim.x)
+            y[i] = x[i] * inv * (1.0f + bfw(p.norm, cc * p.dim + i));
+        __syncthreads();
+    }
+}
+
+template <int T, int U>
 DEV void hc_read_t(const FpHcRead& p, u32 nrows) {
-    __shared__ float sp[HC_MAX][HC_QB][T];
-    __shared__ float ss[HC_MAX][T];
+    __shared__ float part[SPLIT_WARPS][HC_NPW][T];
     const FpCommon& c = p.c;
     const u32 W = p.dim * p.hc;
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 nout = p.rank + (p.inject ? p.hc : 0);
-    const u32 spg = HC_NW / p.hc > 0 ? HC_NW / p.hc : 1;
-    const u32 slice = ((p.dim + spg - 1) / spg + 7) / 8 * 8;
-    const bool vec = (p.dim & 7) == 0 && (p.down & 15) == 0 && (p.inject & 15) == 0 && (p.norm & 15) == 0;
-    float* lo = fptr(c.scratch);
-    float* invs = lo + (u64)nrows * p.rank;
-    for (u32 q0 = blockIdx.x * HC_QB; q0 < nout; q0 += gridDim.x * HC_QB) {
-        const bf16_t* w[HC_QB];
+    const u32 S = SPLIT_WARPS;  // one output group per block, K = C*D split over all 8 warps
+    const bool wvec = (W & 7) == 0 && (p.down & 15) == 0 && (p.inject & 15) == 0;
+    const float* hn = fptr(c.scratch);
+    float* lo = fptr(c.scratch) + (u64)nrows * W;
+    for (u32 q0 = blockIdx.x * HC_NPW; q0 < nout; q0 += gridDim.x * HC_NPW) {
+        const u32 nm = nout - q0 < HC_NPW ? nout - q0 : HC_NPW;
+        const bf16_t* w[HC_NPW];
 #pragma unroll
-        for (int m = 0; m < HC_QB; m++) {
-            const u32 q = q0 + m < nout ? q0 + m : q0;
+        for (int m = 0; m < HC_NPW; m++) {
+            const u32 q = (u32)m < nm ? q0 + m : q0;
             w[m] = q < p.rank ? (const bf16_t*)p.down + (u64)q * W : (const bf16_t*)p.inject + (u64)(q - p.rank) * W;
         }
         for (u32 i0 = 0; i0 < nrows; i0 += T) {
             bool ok[T];
 #pragma unroll
             for (int t = 0; t < T; t++) ok[t] = i0 + t < nrows && row_ok(c, i0 + t, p.gathered);
-            for (u32 pr = warp; pr < p.hc * spg; pr += HC_NW) {
-                const u32 cc = pr / spg, si = pr % spg;
-                const u32 a = cc * p.dim + si * slice;
-                const u32 b0 = (si + 1) * slice < p.dim ? cc * p.dim + (si + 1) * slice : (cc + 1) * p.dim;
-                float acc[HC_QB][T], sq[T];
-#pragma unroll
-                for (int t = 0; t < T; t++) {
-                    sq[t] = 0.0f;
-#pragma unroll
-                    for (int m = 0; m < HC_QB; m++) acc[m][t] = 0.0f;
-                }
-                if (vec) {
-                    for (u32 kk = a + lane * 8; kk < b0; kk += 256) {
-                        float f[HC_QB][8], nw[8];
-#pragma unroll
-                        for (int m = 0; m < HC_QB; m++) unpack8(ldg_stream16(w[m] + kk), f[m]);
-                        unpack8(*(const uint4*)((const bf16_t*)p.norm + kk), nw);
-#pragma unroll
-                        for (int t = 0; t < T; t++) {
-                            if (!ok[t]) continue;
-                            float h[8], hn[8];
-                            load_x8(fptr(p.h) + (u64)(i0 + t) * W + kk, (W & 3) == 0 && (p.h & 15) == 0, h);
-#pragma unroll
-                            for (int e = 0; e < 8; e++) hn[e] = h[e] * (1.0f + nw[e]);
-                            sq[t] += dot8(h, h);
-#pragma unroll
-                            for (int m = 0; m < HC_QB; m++) acc[m][t] += dot8(f[m], hn);
-                        }
-                    }
-                } else {
-                    for (u32 kk = a + lane; kk < b0; kk += 32) {
-                        const float nv = 1.0f + bfw(p.norm, kk);
-#pragma unroll
-                        for (int t = 0; t < T; t++) {
-                            if (!ok[t]) continue;
-                            const float h = fptr(p.h)[(u64)(i0 + t) * W + kk];
-                            sq[t] = fmaf(h, h, sq[t]);
-#pragma unroll
-                            for (int m = 0; m < HC_QB; m++) acc[m][t] = fmaf(bf2f(w[m][kk]), h * nv, acc[m][t]);
-                        }
-                    }
-                }
-#pragma unroll
-                for (int t = 0; t < T; t++) {
-                    const float s2 = warp_sum(sq[t]);
-                    float v[HC_QB];
-#pragma unroll
-                    for (int m = 0; m < HC_QB; m++) v[m] = warp_sum(acc[m][t]);
-                    if (lane == 0) {
-                        ss[pr][t] = s2;
-#pragma unroll
-                        for (int m = 0; m < HC_QB; m++) sp[pr][m][t] = v[m];
-                    }
-                }
-            }
+            slice_dots<T, HC_NPW, U>(w, nm, hn + (u64)i0 * W, W, ok, W, S, wvec, lane, warp, part);
             __syncthreads();
-            if (threadIdx.x < T && ok[threadIdx.x % T]) {
-                const u32 t = threadIdx.x;
-                const u32 r = i0 + t;
-                float inv[HC_MAX];
-                for (u32 cc = 0; cc < p.hc; cc++) {
-                    float s2 = 0.0f;
-                    for (u32 si = 0; si < spg; si++) s2 += ss[cc * spg + si][t];
-                    inv[cc] = 1.0f / sqrtf(s2 / (float)p.dim + p.eps);
-                    if (blockIdx.x == 0) invs[(u64)r * p.hc + cc] = inv[cc];
-                }
-                for (u32 m = 0; m < HC_QB; m++) {
-                    const u32 q = q0 + m;
-                    if (q >= nout) break;
-                    float v = 0.0f;
-                    for (u32 cc = 0; cc < p.hc; cc++) {
-                        float pc = 0.0f;
-                        for (u32 si = 0; si < spg; si++) pc += sp[cc * spg + si][m][t];
-                        v += inv[cc] * pc;
-                    }
-                    if (q < p.rank)
-                        lo[(u64)r * p.rank + q] = siluf_(v / (float)p.hc);
-                    else
-                        fptr(p.inj)[(u64)r * p.hc + (q - p.rank)] = 2.0f * sigmoidf_(v / (float)p.hc);
-                }
+            for (u32 k = threadIdx.x; k < HC_NPW * T; k += blockDim.x) {
+                const u32 m = k / T, t = k % T, q = q0 + m, r = i0 + t;
+                if (q >= nout || r >= nrows || !row_ok(c, r, p.gathered)) continue;
+                const float v = slice_sum<T, HC_NPW>(part, 0, S, m, t);
+                if (q < p.rank)
+                    lo[(u64)r * p.rank + q] = siluf_(v / (float)p.hc);
+                else
+                    fptr(p.inj)[(u64)r * p.hc + (q - p.rank)] = 2.0f * sigmoidf_(v / (float)p.hc);
             }
             __syncthreads();
         }
     }
 }
 
-extern "C" __global__ void hc_read(const FpHcRead p) {
-    const u32 nrows = p.gathered ? p.c.nstreams : p.c.nstreams * p.c.window;
-#define HC_CALL(T) hc_read_t<T>(p, nrows)
-    DISPATCH_T(nrows, HC_CALL);
-#undef HC_CALL
+// Entry points per row tile (hc_read_t1 .. hc_read_t16; the launch picks one from the row count).
+template <int T>
+DEV void hc_read_entry(const FpHcRead& p) {
+    if (T <= 4)
+        hc_read_t<T, 8>(p, hc_rows(p));
+    else
+        hc_read_t<T, 4>(p, hc_rows(p));
 }
+extern "C" __global__ void hc_read_t1(const FpHcRead p) { hc_read_entry<1>(p); }
+extern "C" __global__ void hc_read_t2(const FpHcRead p) { hc_read_entry<2>(p); }
+extern "C" __global__ void hc_read_t4(const FpHcRead p) { hc_read_entry<4>(p); }
+extern "C" __global__ void hc_read_t8(const FpHcRead p) { hc_read_entry<8>(p); }
+extern "C" __global__ void hc_read_t16(const FpHcRead p) { hc_read_entry<16>(p); }
 
+#define HC_UP_CHUNKS 8
 template <int T>
 DEV void hc_mix_t(const FpHcRead& p, u32 nrows) {
     const FpCommon& c = p.c;
@@ -185,10 +141,10 @@ DEV void hc_mix_t(const FpHcRead& p, u32 nrows) {
     const u32 lane = threadIdx.x & 31, g = lane >> 3, l8 = lane & 7;
     const u32 gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const u32 nwarps = (gridDim.x * blockDim.x) >> 5;
-    const float* lo = fptr(c.scratch);
-    const float* invs = lo + (u64)nrows * p.rank;
+    const float* hn = fptr(c.scratch);
+    const float* lo = hn + (u64)nrows * W;
     const bool vec = (p.rank & 7) == 0 && (p.up & 15) == 0;
-    const bool lvec = (p.rank & 3) == 0;
+    const bool lvec = (p.rank & 3) == 0 && (((u64)lo) & 15) == 0;
     for (u32 d = gw; d < p.dim; d += nwarps) {
         for (u32 i0 = 0; i0 < nrows; i0 += T) {
             bool ok[T];
@@ -204,15 +160,27 @@ DEV void hc_mix_t(const FpHcRead& p, u32 nrows) {
                 if (cc < p.hc) {
                     const bf16_t* ur = (const bf16_t*)p.up + (u64)(cc * p.dim + d) * p.rank;
                     if (vec) {
-                        for (u32 kk = l8 * 8; kk < p.rank; kk += 64) {
-                            float f[8];
-                            unpack8(ldg_stream16(ur + kk), f);
+                        // Lane l8 takes chunks l8*8 + 64 u: all (up to HC_UP_CHUNKS) loads issued first.
+                        for (u32 kb = l8 * 8; kb < p.rank; kb += 64 * HC_UP_CHUNKS) {
+                            uint4 wv[HC_UP_CHUNKS];
 #pragma unroll
-                            for (int t = 0; t < T; t++) {
-                                if (!ok[t]) continue;
-                                float x[8];
-                                load_x8(lo + (u64)(i0 + t) * p.rank + kk, lvec, x);
-                                acc[t] += dot8(f, x);
+                            for (int u = 0; u < HC_UP_CHUNKS; u++) {
+                                const u32 kk = kb + 64 * u;
+                                wv[u] = kk < p.rank ? ldg_stream16(ur + kk) : zero4();
+                            }
+#pragma unroll
+                            for (int u = 0; u < HC_UP_CHUNKS; u++) {
+                                const u32 kk = kb + 64 * u;
+                                if (kk >= p.rank) continue;
+                                float f[8];
+                                unpack8(wv[u], f);
+#pragma unroll
+                                for (int t = 0; t < T; t++) {
+                                    if (!ok[t]) continue;
+                                    float x[8];
+                                    load_x8(lo + (u64)(i0 + t) * p.rank + kk, lvec, x);
+                                    acc[t] += dot8(f, x);
+                                }
                             }
                         }
                     } else {
@@ -228,12 +196,7 @@ DEV void hc_mix_t(const FpHcRead& p, u32 nrows) {
                 for (int t = 0; t < T; t++) {
                     const float gs = group8_sum(acc[t]);
                     float v = 0.0f;
-                    if (cc < p.hc && ok[t]) {
-                        const u32 i = cc * p.dim + d;
-                        const u32 r = i0 + t;
-                        const float hn = fptr(p.h)[(u64)r * W + i] * invs[(u64)r * p.hc + cc] * (1.0f + bfw(p.norm, i));
-                        v = sigmoidf_(gs) * hn;
-                    }
+                    if (cc < p.hc && ok[t]) v = sigmoidf_(gs) * hn[(u64)(i0 + t) * W + cc * p.dim + d];
                     val[j][t] = v;
                 }
             }
@@ -253,9 +216,12 @@ DEV void hc_mix_t(const FpHcRead& p, u32 nrows) {
     }
 }
 
-extern "C" __global__ void hc_read_mix(const FpHcRead p) {
-    const u32 nrows = p.gathered ? p.c.nstreams : p.c.nstreams * p.c.window;
-#define HCM_CALL(T) hc_mix_t<T>(p, nrows)
-    DISPATCH_T(nrows, HCM_CALL);
-#undef HCM_CALL
+template <int T>
+DEV void hc_mix_entry(const FpHcRead& p) {
+    hc_mix_t<T>(p, hc_rows(p));
 }
+extern "C" __global__ void hc_read_mix_t1(const FpHcRead p) { hc_mix_entry<1>(p); }
+extern "C" __global__ void hc_read_mix_t2(const FpHcRead p) { hc_mix_entry<2>(p); }
+extern "C" __global__ void hc_read_mix_t4(const FpHcRead p) { hc_mix_entry<4>(p); }
+extern "C" __global__ void hc_read_mix_t8(const FpHcRead p) { hc_mix_entry<8>(p); }
+extern "C" __global__ void hc_read_mix_t16(const FpHcRead p) { hc_mix_entry<16>(p); }

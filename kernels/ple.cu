@@ -2,7 +2,6 @@
 #include "common.cuh"
 
 #define PLE_MAX_WINDOW 256
-#define PLE_MAX_HC 16
 
 // One block per row: thread 0 hashes the row's n-gram ids, then the block gathers the head rows.
 extern "C" __global__ void ple_embed(const FpPleEmbed p) {
@@ -48,54 +47,69 @@ extern "C" __global__ void ple_embed(const FpPleEmbed p) {
     }
 }
 
-// One block per stream (its rows are causal through the conv). Phase 1 per row: kn = norm_key(key),
-// qn = norm_query(h), score_c = kn[c].qn[c] / sqrt(D), sg_c = sigmoid(sign(s) sqrt(max(|s|, 1e-6))),
-// G = sg_c v, Gn = norm_conv(G) -> stash. Phase 2 per row: conv over (tail, stashed Gn rows), h += G + silu(conv).
+// Block per (stream, hyper-connection group c): the group's channels only mix with themselves (the norms, the
+// gate and the causal conv are all per group), so the groups run in parallel. Phase 1 per row: one pass sums
+// |K_c|^2, |H_c|^2, |V|^2 and K_c (1 + nk) . H_c (1 + nq); then score = ik iq dot / sqrt(D),
+// sg = sigmoid(sign(s) sqrt(max(|s|, 1e-6))), G = sg v, ig = 1 / sqrt(sg^2 |V|^2 / D + eps), Gn = G ig (1 + nc)
+// -> stash. Phase 2 per row: conv over (tail, stashed Gn rows), h += G + silu(conv).
+DEV void block_sum4(float (&v)[4], float (*sh)[32]) {
+#pragma unroll
+    for (int k = 0; k < 4; k++) v[k] = warp_sum(v[k]);
+    const u32 w = threadIdx.x >> 5, l = threadIdx.x & 31, nw = blockDim.x >> 5;
+    __syncthreads();
+    if (l == 0)
+#pragma unroll
+        for (int k = 0; k < 4; k++) sh[k][w] = v[k];
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        float t = 0.0f;
+        for (u32 i = 0; i < nw; i++) t += sh[k][i];
+        v[k] = t;
+    }
+}
+
 extern "C" __global__ void ple_mix(const FpPleMix p) {
-    __shared__ float sh[32];
-    __shared__ float sg[PLE_MAX_WINDOW * PLE_MAX_HC];
+    __shared__ float sh[4][32];
+    __shared__ float sg[PLE_MAX_WINDOW];
     const FpCommon& c = p.c;
     const u32 D = p.dim, W = p.dim * p.hc;
     const u32 tail_len = (p.kernel - 1) * p.dilation;
+    const u32 cc = blockIdx.y;
+    if (cc >= p.hc) return;
     for (u32 s = blockIdx.x; s < c.nstreams; s += gridDim.x) {
         const FpStream& st = stream_of(c, s);
         const float* tail = state_of(c, st.slot, p.tail);
         for (u32 j = 0; j < st.rows; j++) {
             const u64 r = (u64)s * c.window + j;
-            const float* K = fptr(p.key) + r * W;
-            const float* H = fptr(p.h) + r * W;
+            const float* K = fptr(p.key) + r * W + (u64)cc * D;
+            const float* H = fptr(p.h) + r * W + (u64)cc * D;
             const float* V = fptr(p.value) + r * D;
-            float* Gn = fptr(p.stash) + r * W;
-            for (u32 cc = 0; cc < p.hc; cc++) {
-                float a = 0.0f, b = 0.0f;
-                for (u32 d = threadIdx.x; d < D; d += blockDim.x) {
-                    a += K[cc * D + d] * K[cc * D + d];
-                    b += H[cc * D + d] * H[cc * D + d];
-                }
-                const float ik = 1.0f / sqrtf(block_sum(a, sh) / (float)D + p.eps);
-                const float iq = 1.0f / sqrtf(block_sum(b, sh) / (float)D + p.eps);
-                float dp = 0.0f;
-                for (u32 d = threadIdx.x; d < D; d += blockDim.x) {
-                    const u32 i = cc * D + d;
-                    dp += (K[i] * ik * (1.0f + bfw(p.norm_key, i))) * (H[i] * iq * (1.0f + bfw(p.norm_query, i)));
-                }
-                const float sc = block_sum(dp, sh) / sqrtf((float)D);
-                const float sign = sc > 0.0f ? 1.0f : (sc < 0.0f ? -1.0f : 0.0f);
-                const float g = sigmoidf_(sqrtf(fmaxf(fabsf(sc), 1e-6f)) * sign);
-                float gg = 0.0f;
-                for (u32 d = threadIdx.x; d < D; d += blockDim.x) gg += (g * V[d]) * (g * V[d]);
-                const float ig = 1.0f / sqrtf(block_sum(gg, sh) / (float)D + p.eps);
-                for (u32 d = threadIdx.x; d < D; d += blockDim.x) {
-                    const u32 i = cc * D + d;
-                    Gn[i] = (g * V[d]) * ig * (1.0f + bfw(p.norm_conv, i));
-                }
-                if (threadIdx.x == 0) sg[j * PLE_MAX_HC + cc] = g;
+            float* Gn = fptr(p.stash) + r * W + (u64)cc * D;
+            float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            for (u32 d = threadIdx.x; d < D; d += blockDim.x) {
+                const float k = K[d], h = H[d], x = V[d];
+                v[0] += k * k;
+                v[1] += h * h;
+                v[2] += x * x;
+                v[3] += (k * (1.0f + bfw(p.norm_key, cc * D + d))) * (h * (1.0f + bfw(p.norm_query, cc * D + d)));
             }
+            block_sum4(v, sh);
+            const float ik = 1.0f / sqrtf(v[0] / (float)D + p.eps);
+            const float iq = 1.0f / sqrtf(v[1] / (float)D + p.eps);
+            const float sc = ik * iq * v[3] / sqrtf((float)D);
+            const float sign = sc > 0.0f ? 1.0f : (sc < 0.0f ? -1.0f : 0.0f);
+            const float g = sigmoidf_(sqrtf(fmaxf(fabsf(sc), 1e-6f)) * sign);
+            const float ig = 1.0f / sqrtf(g * g * v[2] / (float)D + p.eps);
+            for (u32 d = threadIdx.x; d < D; d += blockDim.x)
+                Gn[d] = (g * V[d]) * ig * (1.0f + bfw(p.norm_conv, cc * D + d));
+            if (threadIdx.x == 0) sg[j] = g;
         }
         __syncthreads();
         for (u32 j = 0; j < st.rows; j++) {
             const u64 r = (u64)s * c.window + j;
-            for (u32 ch = threadIdx.x; ch < W; ch += blockDim.x) {
+            for (u32 d = threadIdx.x; d < D; d += blockDim.x) {
+                const u32 ch = cc * D + d;
                 float acc = 0.0f;
                 for (u32 t = 0; t < p.kernel; t++) {
                     const u32 i = j + t * p.dilation;
@@ -103,7 +117,7 @@ extern "C" __global__ void ple_mix(const FpPleMix p) {
                                                  : fptr(p.stash)[((u64)s * c.window + i - tail_len) * W + ch];
                     acc += bfw(p.conv_w, (u64)ch * p.kernel + t) * x;
                 }
-                const float G = sg[j * PLE_MAX_HC + ch / D] * fptr(p.value)[r * D + ch % D];
+                const float G = sg[j] * fptr(p.value)[r * D + d];
                 fptr(p.h)[r * W + ch] += G + siluf_(acc);
             }
         }
@@ -112,7 +126,9 @@ extern "C" __global__ void ple_mix(const FpPleMix p) {
 }
 
 // Commit `keep` rows: history = last hl ids of (history, tokens[0..keep]); tail = last tail_len rows of
-// (tail, stash[0..keep]). In place, ascending: entry i reads index keep + i >= i, not yet overwritten.
+// (tail, stash[0..keep]). Block (stream, 256 channels), thread per channel. In place, ascending, 16 rows at a time
+// (all loads of a group before its stores): entry i reads index keep + i >= i + 1, never a row already rewritten.
+#define PLE_COMMIT_U 16
 extern "C" __global__ void ple_commit(const FpPleCommit p) {
     const FpCommon& c = p.c;
     for (u32 s = blockIdx.x; s < c.nstreams; s += gridDim.x) {
@@ -121,7 +137,7 @@ extern "C" __global__ void ple_commit(const FpPleCommit p) {
         // Nothing kept (a padding stream, rows 0): write nothing. Its slot may be a live stream's (the engine pads
         // with slot 0) committed by another block of this launch; rewriting the old values in place would race.
         if (k == 0) continue;
-        if (threadIdx.x == 0) {
+        if (blockIdx.y == 0 && threadIdx.x == 0) {
             float* hist = state_of(c, st.slot, p.history);
             for (u32 i = 0; i < p.hist_len; i++) {
                 const u32 idx = k + i;
@@ -129,14 +145,20 @@ extern "C" __global__ void ple_commit(const FpPleCommit p) {
             }
         }
         float* tail = state_of(c, st.slot, p.tail);
-        for (u32 ch = threadIdx.x; ch < p.width; ch += blockDim.x) {
-            for (u32 i = 0; i < p.tail_len; i++) {
-                const u32 idx = k + i;
-                tail[(u64)i * p.width + ch] = idx < p.tail_len
-                    ? tail[(u64)idx * p.width + ch]
-                    : fptr(p.stash)[((u64)s * c.window + idx - p.tail_len) * p.width + ch];
+        const u32 ch = blockIdx.y * blockDim.x + threadIdx.x;
+        if (ch >= p.width) continue;
+        for (u32 i0 = 0; i0 < p.tail_len; i0 += PLE_COMMIT_U) {
+            float v[PLE_COMMIT_U];
+#pragma unroll
+            for (int u = 0; u < PLE_COMMIT_U; u++) {
+                const u32 i = i0 + u, idx = k + i;
+                v[u] = i >= p.tail_len ? 0.0f
+                     : idx < p.tail_len ? tail[(u64)idx * p.width + ch]
+                                        : fptr(p.stash)[((u64)s * c.window + idx - p.tail_len) * p.width + ch];
             }
+#pragma unroll
+            for (int u = 0; u < PLE_COMMIT_U; u++)
+                if (i0 + u < p.tail_len) tail[(u64)(i0 + u) * p.width + ch] = v[u];
         }
-        __syncthreads();
     }
 }

@@ -58,15 +58,14 @@ extern "C" __global__ void add_broadcast(const FpAddBroadcast p) {
 // h[r, c*D + d] += inj[r, c] * y[r, d].
 extern "C" __global__ void hc_write(const FpHcWrite p) {
     const FpCommon& c = p.c;
-    const u32 R = c.nstreams * c.window;
-    const u32 W = p.dim * p.hc;
-    for (u32 r = blockIdx.x; r < R; r += gridDim.x) {
+    const u64 W = (u64)p.dim * p.hc;
+    const u64 n = (u64)c.nstreams * c.window * W;
+    for (u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (u64)gridDim.x * blockDim.x) {
+        const u32 r = (u32)(e / W), i = (u32)(e % W);
         u32 s, j;
         if (!real_row(c, r, s, j)) continue;
-        for (u32 i = threadIdx.x; i < W; i += blockDim.x) {
-            const u32 cc = i / p.dim, d = i % p.dim;
-            fptr(p.h)[(u64)r * W + i] += fptr(p.inj)[(u64)r * p.hc + cc] * fptr(p.y)[(u64)r * p.dim + d];
-        }
+        const u32 cc = i / p.dim, d = i % p.dim;
+        fptr(p.h)[e] += fptr(p.inj)[(u64)r * p.hc + cc] * fptr(p.y)[(u64)r * p.dim + d];
     }
 }
 

@@ -1,4 +1,5 @@
-// Keyed sampling (rounds.md section 4), one block (1024 threads) per sampled row, equal to the CPU sampler
+// Keyed sampling (rounds.md section 4) in two launches: sample_part (block per (row, slice of the vocabulary)) and
+// sample (block of 1024 threads per sampled row), equal to the CPU sampler
 // (runtime/src/sampler.rs `sample`):
 // - greedy (T = 0): the lowest-id maximum, NaN as -inf; also the answer when the maximum is not finite;
 // - plain temperature: Gumbel-max over every id with u = uniform(seed, position, id), scores in f64;
@@ -251,49 +252,63 @@ DEV u32 sample_filtered(const float* lg, u32 vocab, const FpStream& st, u64 posi
     return gi == 0xffffffffu ? greedy : gi;
 }
 
-extern "C" __global__ void sample(const FpSample p) {
+// Item `it` of the launch: its stream s, logits row and the position its token will take; false for a padding
+// item (nothing to sample).
+DEV bool sample_item(const FpSample& p, u32 it, u32& s, u32& row, u64& position) {
+    const FpCommon& c = p.c;
+    if (p.mode == 0) {
+        u32 j;
+        row = it;
+        if (!real_row(c, it, s, j)) return false;
+        position = (u64)stream_of(c, s).pos + j + 1;
+        return true;
+    }
+    s = it;
+    const FpStream& st = stream_of(c, s);
+    if (st.rows == 0) return false;
+    if (p.mode == 1) {
+        row = s * c.window + st.rows - 1;
+        position = (u64)st.pos + st.rows;
+    } else {
+        row = s;
+        position = (u64)st.pos + st.rows + 1;
+    }
+    return true;
+}
+DEV bool plain_temperature(const FpStream& st) { return !(st.temperature == 0.0f || st.temperature != st.temperature || st.temperature < 0.0f); }
+DEV bool filtered_sampling(const FpStream& st, u32 vocab) {
+    return plain_temperature(st) && ((st.top_k > 0 && st.top_k < vocab) || st.top_p < 1.0f || st.min_p > 0.0f);
+}
+
+// Phase 1 (sample_part): block (item, part z of SAMPLE_PARTS) over its contiguous slice of the vocabulary: the
+// lowest-id maximum, sum exp(l - m_z) (f64) and, for plain temperature, the Gumbel-max; into scratch
+// [items, SAMPLE_PARTS, 8 floats]: {max (f64), gumbel (f64), z (f64), argmax id, gumbel id}.
+#define SAMPLE_PARTS 64
+struct SamplePart {
+    double best, gb, z;
+    u32 bi, gi;
+};
+DEV SamplePart* parts_of(const FpSample& p, u32 it) {
+    return (SamplePart*)(fptr(p.c.scratch)) + (u64)it * SAMPLE_PARTS;
+}
+extern "C" __global__ void sample_part(const FpSample p) {
     __shared__ double shv[32];
     __shared__ u32 shi[32];
-    __shared__ SampleShared sh;
     const FpCommon& c = p.c;
     const u32 items = p.mode == 0 ? c.nstreams * c.window : c.nstreams;
+    const u32 z = blockIdx.y;
+    const u32 per = (p.vocab + SAMPLE_PARTS - 1) / SAMPLE_PARTS;
+    const u32 lo = z * per < p.vocab ? z * per : p.vocab, hi = lo + per < p.vocab ? lo + per : p.vocab;
     for (u32 it = blockIdx.x; it < items; it += gridDim.x) {
-        u32 s, j, row;
+        u32 s, row;
         u64 position;
-        if (p.mode == 0) {
-            row = it;
-            if (!real_row(c, it, s, j)) {
-                if (threadIdx.x == 0) {
-                    uptr(p.tokens)[it] = 0xffffffffu;
-                    fptr(p.probs)[it] = 0.0f;
-                }
-                continue;
-            }
-            position = (u64)stream_of(c, s).pos + j + 1;
-        } else {
-            s = it;
-            const FpStream& st = stream_of(c, s);
-            if (st.rows == 0) {
-                if (threadIdx.x == 0) {
-                    uptr(p.tokens)[it] = 0xffffffffu;
-                    fptr(p.probs)[it] = 0.0f;
-                }
-                continue;
-            }
-            if (p.mode == 1) {
-                row = s * c.window + st.rows - 1;
-                position = (u64)st.pos + st.rows;
-            } else {
-                row = s;
-                position = (u64)st.pos + st.rows + 1;
-            }
-        }
+        if (!sample_item(p, it, s, row, position)) continue;
         const FpStream& st = stream_of(c, s);
+        if (filtered_sampling(st, p.vocab)) continue;  // phase 2 takes the whole row itself
         const float* lg = fptr(p.logits) + (u64)row * p.vocab;
-        // Greedy arg-max (also the fallback when the maximum is not finite).
         double best = -INFINITY;
         u32 bi = 0xffffffffu;
-        for (u32 i = threadIdx.x; i < p.vocab; i += blockDim.x) {
+        for (u32 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
             const float l = keyf(lg[i]);
             if (l > -INFINITY && (bi == 0xffffffffu || (double)l > best)) {
                 best = l;
@@ -301,42 +316,122 @@ extern "C" __global__ void sample(const FpSample p) {
             }
         }
         block_argmax(best, bi, shv, shi);
-        const float maxl = bi == 0xffffffffu ? -INFINITY : (float)best;
-        u32 tok = bi == 0xffffffffu ? 0 : bi;
-        if (!(st.temperature == 0.0f || st.temperature != st.temperature || st.temperature < 0.0f) &&
-            maxl < INFINITY && maxl > -INFINITY) {
-            const bool filtered =
-                (st.top_k > 0 && st.top_k < p.vocab) || st.top_p < 1.0f || st.min_p > 0.0f;
-            if (filtered) {
-                tok = sample_filtered(lg, p.vocab, st, position, maxl, tok, sh, shv, shi);
-            } else {
-                const double t = (double)st.temperature;
-                double gb = -INFINITY;
-                u32 gi = 0xffffffffu;
-                for (u32 i = threadIdx.x; i < p.vocab; i += blockDim.x) {
-                    const float l = lg[i];
-                    if (l != l || l == -INFINITY) continue;
-                    const double u = uniform01(st.seed, position, i);
-                    const double sc = (double)l / t - log(-log(u));
-                    if (gi == 0xffffffffu || sc > gb) {
-                        gb = sc;
-                        gi = i;
-                    }
+        const double m = bi == 0xffffffffu ? -INFINITY : best;
+        double zz = 0.0;
+        if (m > -INFINITY && m < INFINITY)
+            for (u32 i = lo + threadIdx.x; i < hi; i += blockDim.x) zz += exp((double)keyf(lg[i]) - m);
+        zz = block_sum_d(zz, shv);
+        double gb = -INFINITY;
+        u32 gi = 0xffffffffu;
+        if (plain_temperature(st)) {
+            const double t = (double)st.temperature;
+            for (u32 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+                const float l = lg[i];
+                if (l != l || l == -INFINITY) continue;
+                const double sc = (double)l / t - log(-log(uniform01(st.seed, position, i)));
+                if (gi == 0xffffffffu || sc > gb) {
+                    gb = sc;
+                    gi = i;
                 }
-                block_argmax(gb, gi, shv, shi);
-                if (gi != 0xffffffffu) tok = gi;
             }
+            block_argmax(gb, gi, shv, shi);
         }
-        // Probability of tok at temperature 1 (f64).
-        double z = 0.0;
-        if (maxl > -INFINITY && maxl < INFINITY)
-            for (u32 i = threadIdx.x; i < p.vocab; i += blockDim.x) z += exp((double)keyf(lg[i]) - (double)maxl);
-        z = block_sum_d(z, shv);
         if (threadIdx.x == 0) {
+            SamplePart& o = parts_of(p, it)[z];
+            o.best = best;
+            o.bi = bi;
+            o.z = zz;
+            o.gb = gb;
+            o.gi = gi;
+        }
+        __syncthreads();
+    }
+}
+
+// Phase 2 (sample): block per item. Greedy and plain temperature combine the parts in order (ties to the lower id,
+// so the result is the whole row's lowest-id maximum / Gumbel-max); the probability's denominator is
+// sum_z z_z exp(m_z - M) in part order. Filtered sampling runs on the whole row in this block.
+extern "C" __global__ void sample(const FpSample p) {
+    __shared__ double shv[32];
+    __shared__ u32 shi[32];
+    __shared__ SampleShared sh;
+    __shared__ u32 tok_sh;
+    __shared__ double maxl_sh, z_sh;
+    const FpCommon& c = p.c;
+    const u32 items = p.mode == 0 ? c.nstreams * c.window : c.nstreams;
+    for (u32 it = blockIdx.x; it < items; it += gridDim.x) {
+        u32 s, row;
+        u64 position;
+        if (!sample_item(p, it, s, row, position)) {
+            if (threadIdx.x == 0) {
+                uptr(p.tokens)[it] = 0xffffffffu;
+                fptr(p.probs)[it] = 0.0f;
+            }
+            continue;
+        }
+        const FpStream& st = stream_of(c, s);
+        const float* lg = fptr(p.logits) + (u64)row * p.vocab;
+        if (filtered_sampling(st, p.vocab)) {
+            // Greedy arg-max (the fallback when the maximum is not finite), then the filtered sampler.
+            double best = -INFINITY;
+            u32 bi = 0xffffffffu;
+            for (u32 i = threadIdx.x; i < p.vocab; i += blockDim.x) {
+                const float l = keyf(lg[i]);
+                if (l > -INFINITY && (bi == 0xffffffffu || (double)l > best)) {
+                    best = l;
+                    bi = i;
+                }
+            }
+            block_argmax(best, bi, shv, shi);
+            const float maxl = bi == 0xffffffffu ? -INFINITY : (float)best;
+            u32 tok = bi == 0xffffffffu ? 0 : bi;
+            if (maxl < INFINITY && maxl > -INFINITY)
+                tok = sample_filtered(lg, p.vocab, st, position, maxl, tok, sh, shv, shi);
+            double z = 0.0;
+            if (maxl > -INFINITY && maxl < INFINITY)
+                for (u32 i = threadIdx.x; i < p.vocab; i += blockDim.x) z += exp((double)keyf(lg[i]) - (double)maxl);
+            z = block_sum_d(z, shv);
+            if (threadIdx.x == 0) {
+                tok_sh = tok;
+                maxl_sh = maxl;
+                z_sh = z;
+            }
+        } else if (threadIdx.x == 0) {
+            const SamplePart* pt = parts_of(p, it);
+            double best = -INFINITY, gb = -INFINITY;
+            u32 bi = 0xffffffffu, gi = 0xffffffffu;
+            for (u32 zi = 0; zi < SAMPLE_PARTS; zi++) {
+                const SamplePart q = pt[zi];
+                if (q.bi != 0xffffffffu && (bi == 0xffffffffu || q.best > best)) {
+                    best = q.best;
+                    bi = q.bi;
+                }
+                if (q.gi != 0xffffffffu && (gi == 0xffffffffu || q.gb > gb)) {
+                    gb = q.gb;
+                    gi = q.gi;
+                }
+            }
+            const float maxl = bi == 0xffffffffu ? -INFINITY : (float)best;
+            u32 tok = bi == 0xffffffffu ? 0 : bi;
+            if (plain_temperature(st) && maxl < INFINITY && maxl > -INFINITY && gi != 0xffffffffu) tok = gi;
+            double z = 0.0;
+            if (maxl > -INFINITY && maxl < INFINITY)
+                for (u32 zi = 0; zi < SAMPLE_PARTS; zi++) {
+                    const SamplePart q = pt[zi];
+                    if (q.bi != 0xffffffffu) z += q.z * exp(q.best - (double)maxl);
+                }
+            tok_sh = tok;
+            maxl_sh = maxl;
+            z_sh = z;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            const u32 tok = tok_sh;
+            const double maxl = maxl_sh, z = z_sh;
             uptr(p.tokens)[it] = tok;
             float pr = 0.0f;
             if (maxl > -INFINITY && maxl < INFINITY && tok < p.vocab)
-                pr = (float)(exp((double)keyf(lg[tok]) - (double)maxl) / z);
+                pr = (float)(exp((double)keyf(lg[tok]) - maxl) / z);
             fptr(p.probs)[it] = pr;
         }
         __syncthreads();
