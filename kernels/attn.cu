@@ -7,6 +7,7 @@
 // One block per row, one warp per head: q = RoPE(q_norm(q part)), gate copied; k = RoPE(k_norm(k)) and v written
 // to the slot's caches at pos + j.
 extern "C" __global__ void attn_prep(const FpAttnPrep p) {
+    pdl_start();
     __shared__ float buf[ATTN_WARPS][ATTN_MAX_HD];
     const FpCommon& c = p.c;
     const u32 R = c.nstreams * c.window;
@@ -47,6 +48,7 @@ extern "C" __global__ void attn_prep(const FpAttnPrep p) {
 
 // One block per row: ih query heads of id = RoPE(q_layernorm(.)) -> q_out; the raw key -> raw_keys[pos + j].
 extern "C" __global__ void indexer_prep(const FpIndexerPrep p) {
+    pdl_start();
     __shared__ float buf[ATTN_WARPS][ATTN_MAX_HD];
     const FpCommon& c = p.c;
     const u32 R = c.nstreams * c.window;
@@ -82,6 +84,7 @@ extern "C" __global__ void indexer_prep(const FpIndexerPrep p) {
 #define SC_CHUNK 16
 #define IDX_MAX_Q 4096
 extern "C" __global__ void indexer_score(const FpIndexerSelect p) {
+    pdl_start();
     __shared__ float qs[IDX_MAX_Q];
     __shared__ __align__(16) float key[ATTN_WARPS][ATTN_MAX_HD];
     const FpCommon& c = p.c;
@@ -181,12 +184,12 @@ DEV u32 block_scan_u32(u32 v, u32* sh, u32& total) {
 }
 
 extern "C" __global__ void indexer_select(const FpIndexerSelect p) {
+    pdl_start();
     __shared__ u32 hist[256];
     __shared__ u32 scan[33];
-    __shared__ u32 sh_prefix, sh_need;
+    __shared__ u32 res[2];
     const FpCommon& c = p.c;
     const u32 R = c.nstreams * c.window;
-    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     for (u32 r = blockIdx.x; r < R; r += gridDim.x) {
         u32 s, j;
         if (!real_row(c, r, s, j)) continue;
@@ -199,49 +202,9 @@ extern "C" __global__ void indexer_select(const FpIndexerSelect p) {
             continue;
         }
         const u32* sc = (const u32*)(fptr(c.scratch) + (u64)r * 2 * p.nb_max);
-        // Radix select of the topk-th largest score (scores are >= +0, so their bit patterns order as u32): four
-        // 8-bit digits from the top, each a histogram of the candidates sharing the digits chosen so far.
-        u32 prefix = 0, mask = 0, need = p.topk;
-        for (int shift = 24; shift >= 0; shift -= 8) {
-            for (u32 i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
-            __syncthreads();
-            for (u32 b = threadIdx.x; b < nb; b += blockDim.x) {
-                const u32 x = sc[b];
-                if ((x & mask) == prefix) atomicAdd(&hist[(x >> shift) & 255u], 1u);
-            }
-            __syncthreads();
-            if (warp == 0) {
-                // Lane l holds digits 255 - 8l .. 248 - 8l (descending); counts from the top, scanned over lanes.
-                u32 cnt[8], sum = 0;
-#pragma unroll
-                for (int i = 0; i < 8; i++) {
-                    cnt[i] = hist[255 - (lane * 8 + i)];
-                    sum += cnt[i];
-                }
-                u32 incl = sum;
-                for (int o = 1; o < 32; o <<= 1) {
-                    const u32 y = __shfl_up_sync(FULL_MASK, incl, o);
-                    if (lane >= (u32)o) incl += y;
-                }
-                u32 acc = incl - sum;
-                if (acc < need && need <= incl) {
-#pragma unroll
-                    for (int i = 0; i < 8; i++) {
-                        if (acc + cnt[i] >= need) {
-                            sh_prefix = prefix | ((255u - (lane * 8 + i)) << shift);
-                            sh_need = need - acc;
-                            break;
-                        }
-                        acc += cnt[i];
-                    }
-                }
-            }
-            __syncthreads();
-            prefix = sh_prefix;
-            need = sh_need;
-            mask |= 255u << shift;
-            __syncthreads();
-        }
+        // Radix select of the topk-th largest score (scores are >= +0, so their bit patterns order as u32).
+        u32 prefix, need;
+        block_kth_largest([=](u32 b) { return sc[b]; }, nb, p.topk, hist, res, prefix, need);
         // prefix is now the threshold score: keep every block above it and the `need` lowest-index blocks equal to it
         // (score desc, id asc). Thread t owns the contiguous blocks [t * per, (t + 1) * per); ids in ascending order.
         const u32 per = (nb + blockDim.x - 1) / blockDim.x;
@@ -290,6 +253,7 @@ DEV u32 sa_nt(const FpSparseAttn& p, u32 pos, u32& nsel, u32& nb) {
 DEV u32 sa_nsplit(const FpSparseAttn& p) { return (p.max_tokens + SA_CHUNK - 1) / SA_CHUNK; }
 
 extern "C" __global__ void sparse_attn(const FpSparseAttn p) {
+    pdl_start();
     __shared__ float qs[SA_MAX_Q];
     __shared__ float ps[SA_MAX_G][SA_CHUNK];
     __shared__ u32 toks[SA_CHUNK];
@@ -410,6 +374,7 @@ extern "C" __global__ void sparse_attn(const FpSparseAttn p) {
 }
 
 extern "C" __global__ void sparse_attn_combine(const FpSparseAttn p) {
+    pdl_start();
     __shared__ float f[SA_MAX_SPLIT];
     __shared__ float lsum;
     const FpCommon& c = p.c;
@@ -452,6 +417,7 @@ extern "C" __global__ void sparse_attn_combine(const FpSparseAttn p) {
 
 // One block per stream: pools the blocks completed by the kept rows into the pooled cache (one warp per block).
 extern "C" __global__ void indexer_commit(const FpIndexerCommit p) {
+    pdl_start();
     __shared__ float key[ATTN_WARPS][ATTN_MAX_HD];
     const FpCommon& c = p.c;
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;

@@ -17,6 +17,14 @@ typedef unsigned short bf16_t;
 #define INFINITY __int_as_float(0x7f800000)
 #endif
 
+// Programmatic dependent launch (sm_90): every kernel starts with pdl_start(). It lets the next kernel of the graph
+// be scheduled now (its blocks take free slots and wait), then waits until the previous kernel has completed and its
+// memory is visible. Launched without the PDL attribute both are no-ops.
+DEV void pdl_start() {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
 DEV float bf2f(bf16_t h) { return __uint_as_float(((u32)h) << 16); }
 DEV float bfw(const u64 w, u64 i) { return bf2f(((const bf16_t*)w)[i]); }
 
@@ -318,4 +326,56 @@ DEV float slice_sum(float (*part)[NPW][T], u32 g, u32 S, u32 m, u32 t) {
     float v = 0.0f;
     for (u32 s = 0; s < S; s++) v += part[g * S + s][m][t];
     return v;
+}
+
+// Block radix select: the k-th largest (1-based, k <= n) of n u32 keys read through key(i) (a larger key ranks
+// first), four 8-bit digits from the top, each a shared-memory histogram of the keys sharing the digits chosen so
+// far (integer counts: the result does not depend on the order of the atomics). thr: that key; need: how many keys
+// equal to thr are within the top k. hist: 256 u32, res: 2 u32, both in shared memory. Every thread gets both.
+template <class KeyF>
+DEV void block_kth_largest(KeyF key, u32 n, u32 k, u32* hist, u32* res, u32& thr, u32& need) {
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    u32 prefix = 0, mask = 0;
+    need = k;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (u32 i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
+        __syncthreads();
+        for (u32 b = threadIdx.x; b < n; b += blockDim.x) {
+            const u32 x = key(b);
+            if ((x & mask) == prefix) atomicAdd(&hist[(x >> shift) & 255u], 1u);
+        }
+        __syncthreads();
+        if (warp == 0) {
+            // Lane l holds digits 255 - 8l .. 248 - 8l (descending); counts from the top, scanned over the lanes.
+            u32 cnt[8], sum = 0;
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                cnt[i] = hist[255 - (lane * 8 + i)];
+                sum += cnt[i];
+            }
+            u32 incl = sum;
+            for (int o = 1; o < 32; o <<= 1) {
+                const u32 y = __shfl_up_sync(FULL_MASK, incl, o);
+                if (lane >= (u32)o) incl += y;
+            }
+            u32 acc = incl - sum;
+            if (acc < need && need <= incl) {
+#pragma unroll
+                for (int i = 0; i < 8; i++) {
+                    if (acc + cnt[i] >= need) {
+                        res[0] = prefix | ((255u - (lane * 8 + i)) << shift);
+                        res[1] = need - acc;
+                        break;
+                    }
+                    acc += cnt[i];
+                }
+            }
+        }
+        __syncthreads();
+        prefix = res[0];
+        need = res[1];
+        mask |= 255u << shift;
+        __syncthreads();
+    }
+    thr = prefix;
 }

@@ -1,14 +1,13 @@
 // GatedDeltaNet: gdn_conv (causal depthwise conv + SiLU), gdn_recur (recurrence over the window from the slot's
 // state, state untouched), gdn_commit (replays the kept rows into the state with the same update, and shifts the
-// conv state). The recurrent state of one value head is [dk, dv]; thread e of the head's block owns column e in
-// registers (dk <= GDN_MAX_DK), so the update order per element is the reference's (i ascending). recur and commit
-// run as blocks (value head, stream, tile of 32 columns): 4x more blocks than heads.
+// conv state). recur and commit share gdn_update_q, so a committed state is bit-identical to plain decoding's.
 #include "common.cuh"
 
 #define GDN_MAX_DK 128
 
 // out[j][ch] = silu(sum_t w[ch, t] * seq[j + t][ch]), seq = conv state (kernel-1 rows) then the window's rows.
 extern "C" __global__ void gdn_conv(const FpGdnConv p) {
+    pdl_start();
     const FpCommon& c = p.c;
     const u32 K1 = p.kernel - 1;
     for (u32 ch = blockIdx.x * blockDim.x + threadIdx.x; ch < p.channels; ch += gridDim.x * blockDim.x) {
@@ -29,25 +28,38 @@ extern "C" __global__ void gdn_conv(const FpGdnConv p) {
     }
 }
 
-// S *= exp(g); kv = S^T k; S += k (beta (v - kv))^T -- for column e held in S[0..dk).
-DEV void gdn_update_col(float* S, const float* k, float v, float g, float beta, u32 dk) {
+// The recurrent state of a value head is [dk, dv]. Column e is held by 4 adjacent lanes, lane quarter q owning
+// rows [q * GDN_QD, (q + 1) * GDN_QD) in registers. Sums over i: each lane's quarter in ascending i, then
+// (q0 + q1) + (q2 + q3) by two xor shuffles (every lane of the four gets the same bits). Blocks: (value head, stream,
+// 32 columns) of 128 threads.
+#define GDN_QD (GDN_MAX_DK / 4)
+DEV float quarter_sum(float a) {
+    a += __shfl_xor_sync(FULL_MASK, a, 1);
+    a += __shfl_xor_sync(FULL_MASK, a, 2);
+    return a;
+}
+// S *= exp(g); kv = S^T k; S += k (beta (v - kv))^T -- for this lane's quarter of column e (k: the quarter's rows).
+// Every lane of the warp must call it (shuffles); lanes without a column pass zeros.
+DEV void gdn_update_q(float* S, const float* k, float v, float g, float beta, u32 n) {
     const float decay = expf(g);
 #pragma unroll
-    for (u32 i = 0; i < GDN_MAX_DK; i++)
-        if (i < dk) S[i] *= decay;
+    for (u32 i = 0; i < GDN_QD; i++)
+        if (i < n) S[i] *= decay;
     float kv = 0.0f;
 #pragma unroll
-    for (u32 i = 0; i < GDN_MAX_DK; i++)
-        if (i < dk) kv += S[i] * k[i];
+    for (u32 i = 0; i < GDN_QD; i++)
+        if (i < n) kv += S[i] * k[i];
+    kv = quarter_sum(kv);
     const float delta = (v - kv) * beta;
 #pragma unroll
-    for (u32 i = 0; i < GDN_MAX_DK; i++)
-        if (i < dk) S[i] += k[i] * delta;
+    for (u32 i = 0; i < GDN_QD; i++)
+        if (i < n) S[i] += k[i] * delta;
 }
 
-// Block (h, s); blockDim >= dv. Per row: l2-normalised q (scaled by 1/sqrt(dk)) and k of key head h / (hv/hk),
-// beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias), update, o = S^T q. Stash: k, v, g, beta.
+// Per row: l2-normalised q (scaled by 1/sqrt(dk)) and k of key head h / (hv/hk), beta = sigmoid(b),
+// g = -exp(A_log) softplus(a + dt_bias), update, o = S^T q. Stash: k, v, g, beta.
 extern "C" __global__ void gdn_recur(const FpGdnRecur p) {
+    pdl_start();
     __shared__ float sh[32];
     __shared__ float qs[GDN_MAX_DK];
     __shared__ float ks[GDN_MAX_DK];
@@ -55,17 +67,19 @@ extern "C" __global__ void gdn_recur(const FpGdnRecur p) {
     const u32 h = blockIdx.x, s = blockIdx.y;
     if (h >= p.hv || s >= c.nstreams) return;
     const FpStream& st = stream_of(c, s);
-    const u32 e = blockIdx.z * blockDim.x + threadIdx.x;
+    const u32 q = threadIdx.x & 3;
+    const u32 e = blockIdx.z * (blockDim.x / 4) + threadIdx.x / 4;
     const bool own = e < p.dv;
     const bool lead = blockIdx.z == 0;
     const u32 kh = h / (p.hv / p.hk);
     const u32 ch = 2 * p.hk * p.dk + p.hv * p.dv;
     const u32 sw = p.hk * p.dk + p.hv * p.dv + 2 * p.hv;
     const u64 dkdv = (u64)p.dk * p.dv;
+    const u32 i0 = q * GDN_QD, n = p.dk > i0 ? (p.dk - i0 < GDN_QD ? p.dk - i0 : GDN_QD) : 0;
     const float* state = state_of(c, st.slot, p.state) + h * dkdv;
-    float S[GDN_MAX_DK];
+    float S[GDN_QD];
 #pragma unroll
-    for (u32 i = 0; i < GDN_MAX_DK; i++) S[i] = (own && i < p.dk) ? state[(u64)i * p.dv + e] : 0.0f;
+    for (u32 i = 0; i < GDN_QD; i++) S[i] = (own && i < n) ? state[(u64)(i0 + i) * p.dv + e] : 0.0f;
     const float scale = 1.0f / sqrtf((float)p.dk);
     const float alog = -expf(bfw(p.a_log, h));
     const float dtb = bfw(p.dt_bias, h);
@@ -74,9 +88,9 @@ extern "C" __global__ void gdn_recur(const FpGdnRecur p) {
         const float* row = fptr(p.qkv) + r * ch;
         float qq = 0.0f, kk = 0.0f;
         for (u32 i = threadIdx.x; i < p.dk; i += blockDim.x) {
-            const float q = row[kh * p.dk + i], k = row[p.hk * p.dk + kh * p.dk + i];
-            qq += q * q;
-            kk += k * k;
+            const float qv = row[kh * p.dk + i], kv = row[p.hk * p.dk + kh * p.dk + i];
+            qq += qv * qv;
+            kk += kv * kv;
         }
         const float iq = 1.0f / sqrtf(block_sum(qq, sh) + 1e-6f);
         const float ik = 1.0f / sqrtf(block_sum(kk, sh) + 1e-6f);
@@ -88,13 +102,14 @@ extern "C" __global__ void gdn_recur(const FpGdnRecur p) {
         const float beta = sigmoidf_(fptr(p.b)[r * p.hv + h]);
         const float g = alog * softplusf_(fptr(p.a)[r * p.hv + h] + dtb);
         float* srow = fptr(p.stash) + r * sw;
-        if (own) {
-            const float v = row[2 * p.hk * p.dk + h * p.dv + e];
-            gdn_update_col(S, ks, v, g, beta, p.dk);
-            float o = 0.0f;
+        const float v = own ? row[2 * p.hk * p.dk + h * p.dv + e] : 0.0f;
+        gdn_update_q(S, ks + i0, v, g, beta, own ? n : 0);
+        float o = 0.0f;
 #pragma unroll
-            for (u32 i = 0; i < GDN_MAX_DK; i++)
-                if (i < p.dk) o += S[i] * qs[i];
+        for (u32 i = 0; i < GDN_QD; i++)
+            if (own && i < n) o += S[i] * qs[i0 + i];
+        o = quarter_sum(o);
+        if (own && q == 0) {
             fptr(p.out)[r * p.hv * p.dv + h * p.dv + e] = o;
             srow[p.hk * p.dk + h * p.dv + e] = v;
         }
@@ -108,32 +123,38 @@ extern "C" __global__ void gdn_recur(const FpGdnRecur p) {
     }
 }
 
-// Block (h, s): replays the first keep rows' stashed (k, v, g, beta) into the slot state; the blocks of stream s
-// also shift its conv state to the last kernel-1 raw rows ending at the last kept row.
+// Block (h, s, 32 columns): replays the first keep rows' stashed (k, v, g, beta) into the slot state; the blocks of
+// stream s also shift its conv state to the last kernel-1 raw rows ending at the last kept row.
 extern "C" __global__ void gdn_commit(const FpGdnCommit p) {
+    pdl_start();
     const FpCommon& c = p.c;
     const u32 h = blockIdx.x, s = blockIdx.y;
     if (h >= p.hv || s >= c.nstreams) return;
     const FpStream& st = stream_of(c, s);
     const u32 k = keep_of(c, p.keep, s);
-    const u32 e = blockIdx.z * blockDim.x + threadIdx.x;
+    const u32 q = threadIdx.x & 3;
+    const u32 e = blockIdx.z * (blockDim.x / 4) + threadIdx.x / 4;
+    const bool own = e < p.dv;
     const u32 kh = h / (p.hv / p.hk);
     const u32 sw = p.hk * p.dk + p.hv * p.dv + 2 * p.hv;
     const u64 dkdv = (u64)p.dk * p.dv;
-    if (e < p.dv && k > 0) {
+    const u32 i0 = q * GDN_QD, n = p.dk > i0 ? (p.dk - i0 < GDN_QD ? p.dk - i0 : GDN_QD) : 0;
+    if (k > 0) {
         float* state = state_of(c, st.slot, p.state) + h * dkdv;
-        float S[GDN_MAX_DK];
+        float S[GDN_QD];
 #pragma unroll
-        for (u32 i = 0; i < GDN_MAX_DK; i++) S[i] = i < p.dk ? state[(u64)i * p.dv + e] : 0.0f;
+        for (u32 i = 0; i < GDN_QD; i++) S[i] = (own && i < n) ? state[(u64)(i0 + i) * p.dv + e] : 0.0f;
         for (u32 j = 0; j < k; j++) {
             const float* srow = fptr(p.stash) + ((u64)s * c.window + j) * sw;
             const float g = srow[p.hk * p.dk + p.hv * p.dv + h];
             const float beta = srow[p.hk * p.dk + p.hv * p.dv + p.hv + h];
-            gdn_update_col(S, srow + kh * p.dk, srow[p.hk * p.dk + h * p.dv + e], g, beta, p.dk);
+            const float v = own ? srow[p.hk * p.dk + h * p.dv + e] : 0.0f;
+            gdn_update_q(S, srow + kh * p.dk + i0, v, g, beta, own ? n : 0);
         }
+        if (own)
 #pragma unroll
-        for (u32 i = 0; i < GDN_MAX_DK; i++)
-            if (i < p.dk) state[(u64)i * p.dv + e] = S[i];
+            for (u32 i = 0; i < GDN_QD; i++)
+                if (i < n) state[(u64)(i0 + i) * p.dv + e] = S[i];
     }
     // Nothing kept (a padding stream, rows 0): write nothing. Its slot may be a live stream's (the engine pads with
     // slot 0), whose blocks in this same launch shift that conv state; even a rewrite of the old values would race.

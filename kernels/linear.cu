@@ -1,14 +1,12 @@
 // linear: out[i, n] (+)= sum_k x[i, k] * w[n, k] over the sub-rows i of every real row. A block of 8 warps takes
-// 8 / S groups of 4 output features and splits K into S slices (S from the launch, chosen from K alone: enough
-// weight bytes in flight per warp without long serial chains); each warp reads its slice of its 4 weight rows once
+// 8 / S groups of 2 or 4 output features and splits K into S slices (S from the launch, chosen from K alone: enough
+// weight bytes in flight per warp without long serial chains); each warp reads its slice of its weight rows once
 // per tile of up to 16 sub-rows (16-byte streaming loads, up to 4 chunks per row in flight per lane) and the S
 // partial sums are added in slice order (`slice_dots`, `slice_sum`): a row's result never depends on the other
 // rows or on how many there are.
 #include "common.cuh"
 
-#define LIN_NPW 4
-
-template <int T, int U>
+template <int T, int LIN_NPW, int U>
 DEV void linear_t(const FpLinear& p, u32 total) {
     __shared__ float part[SPLIT_WARPS][LIN_NPW][T];
     const FpCommon& c = p.c;
@@ -50,13 +48,17 @@ DEV void linear_t(const FpLinear& p, u32 total) {
 template <int T>
 DEV void linear_entry(const FpLinear& p) {
     const u32 total = (p.gathered ? p.c.nstreams : p.c.nstreams * p.c.window) * p.sub;
-    if (T <= 4)
-        linear_t<T, 4>(p, total);
+    // Features per warp and chunks in flight per tile (neither changes a row's arithmetic): 2 features for one or
+    // two rows (fewer registers, more warps resident), 4 beyond (x reused over more weight rows).
+    if (T <= 2)
+        linear_t<T, 2, 4>(p, total);
+    else if (T <= 4)
+        linear_t<T, 4, 4>(p, total);
     else
-        linear_t<T, 2>(p, total);
+        linear_t<T, 4, 2>(p, total);
 }
-extern "C" __global__ void linear_t1(const FpLinear p) { linear_entry<1>(p); }
-extern "C" __global__ void linear_t2(const FpLinear p) { linear_entry<2>(p); }
-extern "C" __global__ void linear_t4(const FpLinear p) { linear_entry<4>(p); }
-extern "C" __global__ void linear_t8(const FpLinear p) { linear_entry<8>(p); }
-extern "C" __global__ void linear_t16(const FpLinear p) { linear_entry<16>(p); }
+extern "C" __global__ void linear_t1(const FpLinear p) { pdl_start(); linear_entry<1>(p); }
+extern "C" __global__ void linear_t2(const FpLinear p) { pdl_start(); linear_entry<2>(p); }
+extern "C" __global__ void linear_t4(const FpLinear p) { pdl_start(); linear_entry<4>(p); }
+extern "C" __global__ void linear_t8(const FpLinear p) { pdl_start(); linear_entry<8>(p); }
+extern "C" __global__ void linear_t16(const FpLinear p) { pdl_start(); linear_entry<16>(p); }

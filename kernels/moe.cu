@@ -1,6 +1,6 @@
 // Mixture of experts, each op in two launches (the runtime launches both for one node):
 // - router (logits of every row into scratch [rows, experts], warp per MOE_NPW experts, all rows) then router_topk
-//   (warp per row: softmax, top-k by repeated warp argmax, lowest index on ties, renormalised in rank order);
+//   (block per row: softmax, top-k by rank counting, lowest index on ties, renormalised in rank order);
 // - experts (warp per (row, rank, pair of intermediate features): silu(gate x) * up x into scratch) then
 //   experts_down (warp per (row, output feature): four groups of 8 lanes take the ranks, summed in rank order);
 // - shared_expert (warp per intermediate feature, all rows; the sigmoid gate by one more warp) then
@@ -48,88 +48,82 @@ template <int T>
 DEV void router_entry(const FpRouter& p) {
     router_t<T>(p, p.c.nstreams * p.c.window);
 }
-extern "C" __global__ void router_t1(const FpRouter p) { router_entry<1>(p); }
-extern "C" __global__ void router_t2(const FpRouter p) { router_entry<2>(p); }
-extern "C" __global__ void router_t4(const FpRouter p) { router_entry<4>(p); }
-extern "C" __global__ void router_t8(const FpRouter p) { router_entry<8>(p); }
-extern "C" __global__ void router_t16(const FpRouter p) { router_entry<16>(p); }
+extern "C" __global__ void router_t1(const FpRouter p) { pdl_start(); router_entry<1>(p); }
+extern "C" __global__ void router_t2(const FpRouter p) { pdl_start(); router_entry<2>(p); }
+extern "C" __global__ void router_t4(const FpRouter p) { pdl_start(); router_entry<4>(p); }
+extern "C" __global__ void router_t8(const FpRouter p) { pdl_start(); router_entry<8>(p); }
+extern "C" __global__ void router_t16(const FpRouter p) { pdl_start(); router_entry<16>(p); }
 
-// Warp per row over the logits in scratch: lane l holds experts l + 32 j.
+// Block per row over the logits in scratch, thread per expert: p = softmax (block max and block sum, fixed trees);
+// the top-k by (p descending, id ascending), as repeated argmax with lowest-id ties: radix select of the k-th
+// largest p (p >= +0, so its bits order as u32), the experts above it and the lowest-id ones equal to it, then
+// each chosen expert's rank among the chosen. Weights p / (sum of the top-k p in rank order) when normalised.
 extern "C" __global__ void router_topk(const FpRouter p) {
+    pdl_start();
+    __shared__ float sh[32];
+    __shared__ u32 pv[MOE_MAX_EXPERTS];
+    __shared__ u32 hist[256];
+    __shared__ u32 res[2];
+    __shared__ u32 cand[MOE_MAX_TOPK];
+    __shared__ u32 ncand;
+    __shared__ float tp[MOE_MAX_TOPK];
+    __shared__ u32 ti[MOE_MAX_TOPK];
     const FpCommon& c = p.c;
     const u32 R = c.nstreams * c.window;
-    const u32 lane = threadIdx.x & 31;
-    const u32 gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    const u32 nwarps = (gridDim.x * blockDim.x) >> 5;
-    const u32 E = p.experts;
-    for (u32 r = gw; r < R; r += nwarps) {
+    const u32 E = p.experts, e = threadIdx.x;
+    for (u32 r = blockIdx.x; r < R; r += gridDim.x) {
         if (!row_ok(c, r, false)) continue;
         const float* L = fptr(c.scratch) + (u64)r * E;
-        float v[MOE_MAX_EXPERTS / 32];
-        float m = -INFINITY;
-#pragma unroll
-        for (int j = 0; j < MOE_MAX_EXPERTS / 32; j++) {
-            const u32 e = lane + 32 * j;
-            v[j] = e < E ? L[e] : -INFINITY;
-            m = fmaxf(m, v[j]);
-        }
-        m = warp_max(m);
-        float z = 0.0f;
-#pragma unroll
-        for (int j = 0; j < MOE_MAX_EXPERTS / 32; j++) {
-            const u32 e = lane + 32 * j;
-            if (e < E) {
-                v[j] = expf(v[j] - m);
-                z += v[j];
+        const float v = e < E ? L[e] : -INFINITY;
+        const float m = block_max(v, sh);
+        const float ev = e < E ? expf(v - m) : 0.0f;
+        const float z = block_sum(ev, sh);
+        const float pe = ev / z;
+        const u32 key = __float_as_uint(pe);
+        if (e < E) pv[e] = key;
+        if (threadIdx.x == 0) ncand = 0;
+        __syncthreads();
+        u32 thr, need;
+        block_kth_largest([=](u32 i) { return pv[i]; }, E, p.topk, hist, res, thr, need);
+        if (e < E) {
+            bool chosen = key > thr;
+            if (key == thr) {
+                u32 before = 0;
+                for (u32 q = 0; q < e; q++) before += pv[q] == thr ? 1u : 0u;
+                chosen = before < need;
             }
+            if (chosen) cand[atomicAdd(&ncand, 1u)] = e;
         }
-        z = warp_sum(z);
-#pragma unroll
-        for (int j = 0; j < MOE_MAX_EXPERTS / 32; j++) v[j] = v[j] / z;
-        float sum = 0.0f;
-        float tp[MOE_MAX_TOPK];
-        u32 ti[MOE_MAX_TOPK];
-#pragma unroll
-        for (int t = 0; t < MOE_MAX_TOPK; t++) {
-            if ((u32)t >= p.topk) break;
-            float bv = -1.5f;
-            u32 bi = 0xffffffffu;
-#pragma unroll
-            for (int j = 0; j < MOE_MAX_EXPERTS / 32; j++) {
-                const u32 e = lane + 32 * j;
-                if (e < E && v[j] > bv) {
-                    bv = v[j];
-                    bi = e;
+        __syncthreads();
+        if (e < E && threadIdx.x < E) {
+            // Rank among the chosen (their order in cand is arbitrary; the rank is not).
+            for (u32 t = 0; t < p.topk; t++) {
+                if (cand[t] != e) continue;
+                u32 rank = 0;
+                for (u32 q = 0; q < p.topk; q++) {
+                    const u32 o = cand[q], ko = pv[o];
+                    rank += (ko > key || (ko == key && o < e)) ? 1u : 0u;
                 }
+                tp[rank] = pe;
+                ti[rank] = e;
             }
-            for (int o = 16; o > 0; o >>= 1) {
-                const float ov = __shfl_xor_sync(FULL_MASK, bv, o);
-                const u32 oi = __shfl_xor_sync(FULL_MASK, bi, o);
-                if (ov > bv || (ov == bv && oi < bi)) {
-                    bv = ov;
-                    bi = oi;
-                }
-            }
-#pragma unroll
-            for (int j = 0; j < MOE_MAX_EXPERTS / 32; j++)
-                if (lane + 32 * j == bi) v[j] = -2.0f;
-            tp[t] = bv;
-            ti[t] = bi;
-            sum += bv;
         }
-        if (lane == 0) {
-#pragma unroll
-            for (int t = 0; t < MOE_MAX_TOPK; t++) {
-                if ((u32)t >= p.topk) break;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            float sum = 0.0f;
+            for (u32 t = 0; t < p.topk; t++) sum += tp[t];
+            for (u32 t = 0; t < p.topk; t++) {
                 uptr(p.ids)[(u64)r * p.topk + t] = ti[t];
                 fptr(p.weights)[(u64)r * p.topk + t] = p.norm ? tp[t] / sum : tp[t];
             }
         }
+        __syncthreads();
     }
 }
 
 // hid[r, i, q] = silu(gate_e x_r) * (up_e x_r), e = ids[r, i]; warp per (r, i, pair of q).
 extern "C" __global__ void experts(const FpExperts p) {
+    pdl_start();
     const FpCommon& c = p.c;
     const u32 R = c.nstreams * c.window;
     const u32 lane = threadIdx.x & 31;
@@ -162,6 +156,7 @@ extern "C" __global__ void experts(const FpExperts p) {
 // out[r, d] = sum over ranks i in order of weights[r, i] * down_e[d] . hid[r, i]; warp per (r, d), lane group g
 // (8 lanes) takes ranks g, g + 4, ...
 extern "C" __global__ void experts_down(const FpExperts p) {
+    pdl_start();
     const FpCommon& c = p.c;
     const u32 R = c.nstreams * c.window;
     const u32 lane = threadIdx.x & 31, g = lane >> 3, l8 = lane & 7;
@@ -261,11 +256,11 @@ template <int T>
 DEV void shared_entry(const FpSharedExpert& p) {
     shared_t<T>(p, p.c.nstreams * p.c.window);
 }
-extern "C" __global__ void shared_expert_t1(const FpSharedExpert p) { shared_entry<1>(p); }
-extern "C" __global__ void shared_expert_t2(const FpSharedExpert p) { shared_entry<2>(p); }
-extern "C" __global__ void shared_expert_t4(const FpSharedExpert p) { shared_entry<4>(p); }
-extern "C" __global__ void shared_expert_t8(const FpSharedExpert p) { shared_entry<8>(p); }
-extern "C" __global__ void shared_expert_t16(const FpSharedExpert p) { shared_entry<16>(p); }
+extern "C" __global__ void shared_expert_t1(const FpSharedExpert p) { pdl_start(); shared_entry<1>(p); }
+extern "C" __global__ void shared_expert_t2(const FpSharedExpert p) { pdl_start(); shared_entry<2>(p); }
+extern "C" __global__ void shared_expert_t4(const FpSharedExpert p) { pdl_start(); shared_entry<4>(p); }
+extern "C" __global__ void shared_expert_t8(const FpSharedExpert p) { pdl_start(); shared_entry<8>(p); }
+extern "C" __global__ void shared_expert_t16(const FpSharedExpert p) { pdl_start(); shared_entry<16>(p); }
 
 // out[r, d] += sg[r] * (down_d . hid[r]); warp per 2 features d, all rows.
 template <int T>
@@ -304,8 +299,8 @@ template <int T>
 DEV void shared_down_entry(const FpSharedExpert& p) {
     shared_down_t<T>(p, p.c.nstreams * p.c.window);
 }
-extern "C" __global__ void shared_expert_down_t1(const FpSharedExpert p) { shared_down_entry<1>(p); }
-extern "C" __global__ void shared_expert_down_t2(const FpSharedExpert p) { shared_down_entry<2>(p); }
-extern "C" __global__ void shared_expert_down_t4(const FpSharedExpert p) { shared_down_entry<4>(p); }
-extern "C" __global__ void shared_expert_down_t8(const FpSharedExpert p) { shared_down_entry<8>(p); }
-extern "C" __global__ void shared_expert_down_t16(const FpSharedExpert p) { shared_down_entry<16>(p); }
+extern "C" __global__ void shared_expert_down_t1(const FpSharedExpert p) { pdl_start(); shared_down_entry<1>(p); }
+extern "C" __global__ void shared_expert_down_t2(const FpSharedExpert p) { pdl_start(); shared_down_entry<2>(p); }
+extern "C" __global__ void shared_expert_down_t4(const FpSharedExpert p) { pdl_start(); shared_down_entry<4>(p); }
+extern "C" __global__ void shared_expert_down_t8(const FpSharedExpert p) { pdl_start(); shared_down_entry<8>(p); }
+extern "C" __global__ void shared_expert_down_t16(const FpSharedExpert p) { pdl_start(); shared_down_entry<16>(p); }

@@ -198,8 +198,8 @@ DEV void linear_mxfp8_entry(const FpLinearMxfp8& p) {
     const u32 total = (p.gathered ? p.c.nstreams : p.c.nstreams * p.c.window) * p.sub;
     linear_mxfp8_t<T, 4>(p, total);
 }
-extern "C" __global__ void linear_mxfp8_t1(const FpLinearMxfp8 p) { linear_mxfp8_entry<1>(p); }
-extern "C" __global__ void linear_mxfp8_t2(const FpLinearMxfp8 p) { linear_mxfp8_entry<2>(p); }
-extern "C" __global__ void linear_mxfp8_t4(const FpLinearMxfp8 p) { linear_mxfp8_entry<4>(p); }
-extern "C" __global__ void linear_mxfp8_t8(const FpLinearMxfp8 p) { linear_mxfp8_entry<8>(p); }
-extern "C" __global__ void linear_mxfp8_t16(const FpLinearMxfp8 p) { linear_mxfp8_entry<16>(p); }
+extern "C" __global__ void linear_mxfp8_t1(const FpLinearMxfp8 p) { pdl_start(); linear_mxfp8_entry<1>(p); }
+extern "C" __global__ void linear_mxfp8_t2(const FpLinearMxfp8 p) { pdl_start(); linear_mxfp8_entry<2>(p); }
+extern "C" __global__ void linear_mxfp8_t4(const FpLinearMxfp8 p) { pdl_start(); linear_mxfp8_entry<4>(p); }
+extern "C" __global__ void linear_mxfp8_t8(const FpLinearMxfp8 p) { pdl_start(); linear_mxfp8_entry<8>(p); }
+extern "C" __global__ void linear_mxfp8_t16(const FpLinearMxfp8 p) { pdl_start(); linear_mxfp8_entry<16>(p); }

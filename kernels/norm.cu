@@ -5,6 +5,7 @@
 
 // Zero-centred RMSNorm in groups of `group`: y = x * (1 / sqrt(mean(x^2) + eps)) * (1 + w). out may alias x.
 extern "C" __global__ void rms_norm(const FpRmsNorm p) {
+    pdl_start();
     __shared__ float sh[32];
     const FpCommon& c = p.c;
     const u32 R = c.nstreams * c.window;
@@ -25,26 +26,27 @@ extern "C" __global__ void rms_norm(const FpRmsNorm p) {
     }
 }
 
-// Per head of dim: y = w * (x * (1 / sqrt(mean(x^2) + eps))) * act(z); one warp per head.
+// Per head of dim: y = w * (x * (1 / sqrt(mean(x^2) + eps))) * act(z); one warp per (row, head), grid-stride.
 extern "C" __global__ void gated_norm(const FpGatedNorm p) {
+    pdl_start();
     const FpCommon& c = p.c;
     const u32 R = c.nstreams * c.window;
-    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    for (u32 r = blockIdx.x; r < R; r += gridDim.x) {
+    const u32 lane = threadIdx.x & 31;
+    const u32 gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, nwarps = (gridDim.x * blockDim.x) >> 5;
+    for (u32 it = gw; it < R * p.heads; it += nwarps) {
+        const u32 r = it / p.heads, h = it % p.heads;
         u32 s, j;
         if (!real_row(c, r, s, j)) continue;
-        for (u32 h = warp; h < p.heads; h += nw) {
-            const u64 base = ((u64)r * p.heads + h) * p.dim;
-            const float* x = fptr(p.x) + base;
-            const float* z = fptr(p.z) + base;
-            float ss = 0.0f;
-            for (u32 i = lane; i < p.dim; i += 32) ss += x[i] * x[i];
-            ss = warp_sum(ss);
-            const float inv = 1.0f / sqrtf(ss / (float)p.dim + p.eps);
-            for (u32 i = lane; i < p.dim; i += 32) {
-                const float g = p.act == 0 ? sigmoidf_(z[i]) : siluf_(z[i]);
-                fptr(p.out)[base + i] = bfw(p.w, i) * (x[i] * inv) * g;
-            }
+        const u64 base = ((u64)r * p.heads + h) * p.dim;
+        const float* x = fptr(p.x) + base;
+        const float* z = fptr(p.z) + base;
+        float ss = 0.0f;
+        for (u32 i = lane; i < p.dim; i += 32) ss += x[i] * x[i];
+        ss = warp_sum(ss);
+        const float inv = 1.0f / sqrtf(ss / (float)p.dim + p.eps);
+        for (u32 i = lane; i < p.dim; i += 32) {
+            const float g = p.act == 0 ? sigmoidf_(z[i]) : siluf_(z[i]);
+            fptr(p.out)[base + i] = bfw(p.w, i) * (x[i] * inv) * g;
         }
     }
 }
@@ -60,7 +62,9 @@ extern "C" __global__ void gated_norm(const FpGatedNorm p) {
 
 DEV u32 hc_rows(const FpHcRead& p) { return p.gathered ? p.c.nstreams : p.c.nstreams * p.c.window; }
 
+#define HCN_PER 16
 extern "C" __global__ void hc_norm(const FpHcRead p) {
+    pdl_start();
     __shared__ float sh[32];
     const FpCommon& c = p.c;
     const u32 nrows = hc_rows(p), W = p.dim * p.hc;
@@ -69,13 +73,34 @@ extern "C" __global__ void hc_norm(const FpHcRead p) {
         const u32 r = b / p.hc, cc = b % p.hc;
         if (!row_ok(c, r, p.gathered)) continue;
         const float* x = fptr(p.h) + (u64)r * W + (u64)cc * p.dim;
-        float ss = 0.0f;
-        for (u32 i = threadIdx.x; i < p.dim; i += blockDim.x) ss += x[i] * x[i];
-        ss = block_sum(ss, sh);
-        const float inv = 1.0f / sqrtf(ss / (float)p.dim + p.eps);
         float* y = hn + (u64)r * W + (u64)cc * p.dim;
-        for (u32 i = threadIdx.x; i < p.dim; i += blockDim.x)
-            y[i] = x[i] * inv * (1.0f + bfw(p.norm, cc * p.dim + i));
+        if (p.dim <= HCN_PER * blockDim.x) {
+            // Every load in flight at once: element i = threadIdx.x + blockDim.x * u.
+            float xv[HCN_PER], nv[HCN_PER];
+#pragma unroll
+            for (int u = 0; u < HCN_PER; u++) {
+                const u32 i = threadIdx.x + blockDim.x * u;
+                xv[u] = i < p.dim ? x[i] : 0.0f;
+                nv[u] = i < p.dim ? bfw(p.norm, cc * p.dim + i) : 0.0f;
+            }
+            float ss = 0.0f;
+#pragma unroll
+            for (int u = 0; u < HCN_PER; u++) ss += xv[u] * xv[u];
+            ss = block_sum(ss, sh);
+            const float inv = 1.0f / sqrtf(ss / (float)p.dim + p.eps);
+#pragma unroll
+            for (int u = 0; u < HCN_PER; u++) {
+                const u32 i = threadIdx.x + blockDim.x * u;
+                if (i < p.dim) y[i] = xv[u] * inv * (1.0f + nv[u]);
+            }
+        } else {
+            float ss = 0.0f;
+            for (u32 i = threadIdx.x; i < p.dim; i += blockDim.x) ss += x[i] * x[i];
+            ss = block_sum(ss, sh);
+            const float inv = 1.0f / sqrtf(ss / (float)p.dim + p.eps);
+            for (u32 i = threadIdx.x; i < p.dim; i += blockDim.x)
+                y[i] = x[i] * inv * (1.0f + bfw(p.norm, cc * p.dim + i));
+        }
         __syncthreads();
     }
 }
@@ -127,11 +152,11 @@ DEV void hc_read_entry(const FpHcRead& p) {
     else
         hc_read_t<T, 4>(p, hc_rows(p));
 }
-extern "C" __global__ void hc_read_t1(const FpHcRead p) { hc_read_entry<1>(p); }
-extern "C" __global__ void hc_read_t2(const FpHcRead p) { hc_read_entry<2>(p); }
-extern "C" __global__ void hc_read_t4(const FpHcRead p) { hc_read_entry<4>(p); }
-extern "C" __global__ void hc_read_t8(const FpHcRead p) { hc_read_entry<8>(p); }
-extern "C" __global__ void hc_read_t16(const FpHcRead p) { hc_read_entry<16>(p); }
+extern "C" __global__ void hc_read_t1(const FpHcRead p) { pdl_start(); hc_read_entry<1>(p); }
+extern "C" __global__ void hc_read_t2(const FpHcRead p) { pdl_start(); hc_read_entry<2>(p); }
+extern "C" __global__ void hc_read_t4(const FpHcRead p) { pdl_start(); hc_read_entry<4>(p); }
+extern "C" __global__ void hc_read_t8(const FpHcRead p) { pdl_start(); hc_read_entry<8>(p); }
+extern "C" __global__ void hc_read_t16(const FpHcRead p) { pdl_start(); hc_read_entry<16>(p); }
 
 #define HC_UP_CHUNKS 8
 template <int T>
@@ -220,8 +245,8 @@ template <int T>
 DEV void hc_mix_entry(const FpHcRead& p) {
     hc_mix_t<T>(p, hc_rows(p));
 }
-extern "C" __global__ void hc_read_mix_t1(const FpHcRead p) { hc_mix_entry<1>(p); }
-extern "C" __global__ void hc_read_mix_t2(const FpHcRead p) { hc_mix_entry<2>(p); }
-extern "C" __global__ void hc_read_mix_t4(const FpHcRead p) { hc_mix_entry<4>(p); }
-extern "C" __global__ void hc_read_mix_t8(const FpHcRead p) { hc_mix_entry<8>(p); }
-extern "C" __global__ void hc_read_mix_t16(const FpHcRead p) { hc_mix_entry<16>(p); }
+extern "C" __global__ void hc_read_mix_t1(const FpHcRead p) { pdl_start(); hc_mix_entry<1>(p); }
+extern "C" __global__ void hc_read_mix_t2(const FpHcRead p) { pdl_start(); hc_mix_entry<2>(p); }
+extern "C" __global__ void hc_read_mix_t4(const FpHcRead p) { pdl_start(); hc_mix_entry<4>(p); }
+extern "C" __global__ void hc_read_mix_t8(const FpHcRead p) { pdl_start(); hc_mix_entry<8>(p); }
+extern "C" __global__ void hc_read_mix_t16(const FpHcRead p) { pdl_start(); hc_mix_entry<16>(p); }

@@ -5,6 +5,7 @@
 
 // One block per row: thread 0 hashes the row's n-gram ids, then the block gathers the head rows.
 extern "C" __global__ void ple_embed(const FpPleEmbed p) {
+    pdl_start();
     __shared__ u64 ids[FP_MAX_PLE_HEADS];
     const FpCommon& c = p.c;
     const u32 R = c.nstreams * c.window;
@@ -70,6 +71,7 @@ DEV void block_sum4(float (&v)[4], float (*sh)[32]) {
 }
 
 extern "C" __global__ void ple_mix(const FpPleMix p) {
+    pdl_start();
     __shared__ float sh[4][32];
     __shared__ float sg[PLE_MAX_WINDOW];
     const FpCommon& c = p.c;
@@ -130,6 +132,7 @@ extern "C" __global__ void ple_mix(const FpPleMix p) {
 // (all loads of a group before its stores): entry i reads index keep + i >= i + 1, never a row already rewritten.
 #define PLE_COMMIT_U 16
 extern "C" __global__ void ple_commit(const FpPleCommit p) {
+    pdl_start();
     const FpCommon& c = p.c;
     for (u32 s = blockIdx.x; s < c.nstreams; s += gridDim.x) {
         const FpStream& st = stream_of(c, s);

@@ -15,11 +15,12 @@ DEV void embed_impl(const FpEmbed& p) {
                 fptr(p.out)[((u64)r * p.copies + cp) * p.dim + d] = bfw(p.table, tok * p.dim + d);
     }
 }
-extern "C" __global__ void embed_streams(const FpEmbed p) { embed_impl(p); }
-extern "C" __global__ void embed(const FpEmbed p) { embed_impl(p); }
+extern "C" __global__ void embed_streams(const FpEmbed p) { pdl_start(); embed_impl(p); }
+extern "C" __global__ void embed(const FpEmbed p) { pdl_start(); embed_impl(p); }
 
 // out[s*w + j] = src[src_row(s) + j] (whole io buffer as the source).
 extern "C" __global__ void gather_rows(const FpGatherRows p) {
+    pdl_start();
     const FpCommon& c = p.c;
     const u32 R = c.nstreams * c.window;
     for (u32 r = blockIdx.x; r < R; r += gridDim.x) {
@@ -33,6 +34,7 @@ extern "C" __global__ void gather_rows(const FpGatherRows p) {
 
 // out[s] = x[s*window + rows(s) - 1].
 extern "C" __global__ void last_rows(const FpLastRows p) {
+    pdl_start();
     const FpCommon& c = p.c;
     for (u32 s = blockIdx.x; s < c.nstreams; s += gridDim.x) {
         const u32 rows = stream_of(c, s).rows;
@@ -44,6 +46,7 @@ extern "C" __global__ void last_rows(const FpLastRows p) {
 }
 
 extern "C" __global__ void add_broadcast(const FpAddBroadcast p) {
+    pdl_start();
     const FpCommon& c = p.c;
     const u32 R = c.nstreams * c.window;
     for (u32 r = blockIdx.x; r < R; r += gridDim.x) {
@@ -57,6 +60,7 @@ extern "C" __global__ void add_broadcast(const FpAddBroadcast p) {
 
 // h[r, c*D + d] += inj[r, c] * y[r, d].
 extern "C" __global__ void hc_write(const FpHcWrite p) {
+    pdl_start();
     const FpCommon& c = p.c;
     const u64 W = (u64)p.dim * p.hc;
     const u64 n = (u64)c.nstreams * c.window * W;
@@ -71,6 +75,7 @@ extern "C" __global__ void hc_write(const FpHcWrite p) {
 
 // keep[s] = 1 + #leading j with tokens[s*w + j + 1] == sampled[s*w + j] over the real rows (0 without rows).
 extern "C" __global__ void keep_count(const FpKeepCount p) {
+    pdl_start();
     const FpCommon& c = p.c;
     for (u32 s = blockIdx.x * blockDim.x + threadIdx.x; s < c.nstreams; s += gridDim.x * blockDim.x) {
         const u32 rows = stream_of(c, s).rows;

@@ -292,6 +292,7 @@ DEV SamplePart* parts_of(const FpSample& p, u32 it) {
     return (SamplePart*)(fptr(p.c.scratch)) + (u64)it * SAMPLE_PARTS;
 }
 extern "C" __global__ void sample_part(const FpSample p) {
+    pdl_start();
     __shared__ double shv[32];
     __shared__ u32 shi[32];
     const FpCommon& c = p.c;
@@ -352,6 +353,7 @@ extern "C" __global__ void sample_part(const FpSample p) {
 // so the result is the whole row's lowest-id maximum / Gumbel-max); the probability's denominator is
 // sum_z z_z exp(m_z - M) in part order. Filtered sampling runs on the whole row in this block.
 extern "C" __global__ void sample(const FpSample p) {
+    pdl_start();
     __shared__ double shv[32];
     __shared__ u32 shi[32];
     __shared__ SampleShared sh;

@@ -4,7 +4,7 @@
 #   1. Here:            bash scripts/gpu_bench.sh build
 #      gpu_check.sh build (test binary and cubin cache in gpu-bin/), plus the release example gpu_bench.
 #   2. On the H200, through the device `run` tool, with carry ["gpu-pack"]:
-#                       tar xf gpu-pack/gpu-bin.tar && bash scripts/gpu_bench.sh run [--no-checks] [gpu_bench args]
+#                       tar xJf gpu-pack/gpu-bin.tar.xz && bash scripts/gpu_bench.sh run [--no-checks] [gpu_bench args]
 #      runs the GPU checks (table), then the benchmark (tables also written to $OUT/bench.md when $OUT is set).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,9 +21,17 @@ build)
     # carried files must stay under the device copy limit). The run command unpacks it first.
     mkdir -p gpu-pack
     grep -qxF '/gpu-pack/' .git/info/exclude 2>/dev/null || echo '/gpu-pack/' >>.git/info/exclude
-    tar cf gpu-pack/gpu-bin.tar gpu-bin/build-root gpu-bin/gpu-test.gz gpu-bin/gpu-bench.gz gpu-bin/kernels
+    # One xz archive of the uncompressed files (about half the size of the gzipped ones).
+    rm -rf gpu-pack/* /tmp/flashplan-pack && mkdir -p /tmp/flashplan-pack/gpu-bin/kernels
+    cp gpu-bin/build-root /tmp/flashplan-pack/gpu-bin/
+    for f in gpu-test gpu-bench; do
+        gunzip -c "gpu-bin/$f.gz" >"/tmp/flashplan-pack/gpu-bin/$f"
+        chmod +x "/tmp/flashplan-pack/gpu-bin/$f"
+    done
+    for f in gpu-bin/kernels/*.gz; do gunzip -c "$f" >"/tmp/flashplan-pack/gpu-bin/kernels/$(basename "${f%.gz}")"; done
+    tar cf - -C /tmp/flashplan-pack gpu-bin | xz -9e >gpu-pack/gpu-bin.tar.xz
     du -sh gpu-pack
-    echo "now: run(command='tar xf gpu-pack/gpu-bin.tar && bash scripts/gpu_bench.sh run', carry=['gpu-pack'])"
+    echo "now: run(command='tar xJf gpu-pack/gpu-bin.tar.xz && bash scripts/gpu_bench.sh run', carry=['gpu-pack'])"
     ;;
 run)
     rc=0
@@ -42,7 +50,12 @@ run)
         *) cp "$f" "$kc/" ;;
         esac
     done
-    gunzip -c gpu-bin/gpu-bench.gz >/tmp/gpu-bench && chmod +x /tmp/gpu-bench
+    if [ -f gpu-bin/gpu-bench.gz ]; then
+        gunzip -c gpu-bin/gpu-bench.gz >/tmp/gpu-bench
+    else
+        cp gpu-bin/gpu-bench /tmp/gpu-bench
+    fi
+    chmod +x /tmp/gpu-bench
     export FLASHPLAN_KERNEL_CACHE="$kc"
     nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv,noheader || true
     echo "date: $(date -u +%Y-%m-%dT%H:%MZ)"

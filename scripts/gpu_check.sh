@@ -73,7 +73,7 @@ run)
         if [ -f "gpu-bin/$t-test.gz" ]; then
             gunzip -c "gpu-bin/$t-test.gz" >"/tmp/$t-test" && chmod +x "/tmp/$t-test"
         else
-            cp "gpu-bin/$t-test" "/tmp/$t-test"
+            cp "gpu-bin/$t-test" "/tmp/$t-test" && chmod +x "/tmp/$t-test"
         fi
         echo "== $t" | tee -a /tmp/gpu-test.log
         "/tmp/$t-test" --nocapture --test-threads=1 2>&1 | tee -a /tmp/gpu-test.log

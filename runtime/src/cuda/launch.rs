@@ -85,8 +85,20 @@ impl Addrs<'_> {
 /// Entry points of one kernel per row tile T = 1, 2, 4, 8, 16 (`name_tT` in `kernels/`): each is compiled with the
 /// registers its tile needs.
 type ByRows = [&'static str; 5];
-const LINEAR: ByRows = ["linear_t1", "linear_t2", "linear_t4", "linear_t8", "linear_t16"];
-const HC_READ: ByRows = ["hc_read_t1", "hc_read_t2", "hc_read_t4", "hc_read_t8", "hc_read_t16"];
+const LINEAR: ByRows = [
+    "linear_t1",
+    "linear_t2",
+    "linear_t4",
+    "linear_t8",
+    "linear_t16",
+];
+const HC_READ: ByRows = [
+    "hc_read_t1",
+    "hc_read_t2",
+    "hc_read_t4",
+    "hc_read_t8",
+    "hc_read_t16",
+];
 const HC_READ_MIX: ByRows = [
     "hc_read_mix_t1",
     "hc_read_mix_t2",
@@ -94,7 +106,13 @@ const HC_READ_MIX: ByRows = [
     "hc_read_mix_t8",
     "hc_read_mix_t16",
 ];
-const ROUTER: ByRows = ["router_t1", "router_t2", "router_t4", "router_t8", "router_t16"];
+const ROUTER: ByRows = [
+    "router_t1",
+    "router_t2",
+    "router_t4",
+    "router_t8",
+    "router_t16",
+];
 const SHARED_EXPERT: ByRows = [
     "shared_expert_t1",
     "shared_expert_t2",
@@ -312,12 +330,14 @@ pub(crate) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
                 gathered: gathered as u32,
                 split: k_split(*k),
             };
-            // A block of 8 warps: 8 / split groups of 4 features, each over split slices of K.
-            let per_block = 4 * (8 / p.split);
+            // A block of 8 warps: 8 / split groups of 2 (one or two rows) or 4 features, each over split slices of K.
+            let total = if gathered { streams } else { rows } * *sub;
+            let per_block = if total <= 2 { 2 } else { 4 } * (8 / p.split);
             let total = if gathered { streams } else { rows } * *sub;
             match a.mxfp8_scales.get(w.0 as usize) {
                 Some(&scales) if scales != 0 => {
-                    linear_mxfp8(&p, scales, total, n.div_ceil(per_block))
+                    // linear_mxfp8 keeps 4 features per group at every tile.
+                    linear_mxfp8(&p, scales, total, n.div_ceil(4 * (8 / p.split)))
                 }
                 _ => one(
                     by_rows(LINEAR, total),
@@ -573,7 +593,7 @@ pub(crate) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
                 kernel: "gdn_recur",
                 params: bytes(&p),
                 grid: (*hv, streams, dv.div_ceil(32)),
-                block: (32, 1, 1),
+                block: (128, 1, 1),
                 then: Vec::new(),
             }
         }
@@ -608,7 +628,7 @@ pub(crate) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
                 kernel: "gdn_commit",
                 params: bytes(&p),
                 grid: (*hv, streams, dv.div_ceil(32)),
-                block: (32, 1, 1),
+                block: (128, 1, 1),
                 then: Vec::new(),
             }
         }
@@ -636,7 +656,8 @@ pub(crate) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
                 },
                 eps: *eps,
             };
-            one("gated_norm", bytes(&p), rows, 256)
+            // A warp per (row, head).
+            one("gated_norm", bytes(&p), (rows * *heads).div_ceil(8), 256)
         }
         Op::AttnPrep {
             q_raw,
@@ -849,8 +870,8 @@ pub(crate) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
             };
             one(by_rows(ROUTER, rows), bytes(&p), experts.div_ceil(16), 256).then(
                 "router_topk",
-                rows.div_ceil(8),
-                256,
+                rows,
+                1024,
             )
         }
         Op::Experts {
@@ -905,11 +926,13 @@ pub(crate) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
                 dim: *dim,
                 inter: *inter,
             };
-            one(by_rows(SHARED_EXPERT, rows), bytes(&p), (*inter + 1).div_ceil(8), 256).then(
-                by_rows(SHARED_EXPERT_DOWN, rows),
-                dim.div_ceil(16),
+            one(
+                by_rows(SHARED_EXPERT, rows),
+                bytes(&p),
+                (*inter + 1).div_ceil(8),
                 256,
             )
+            .then(by_rows(SHARED_EXPERT_DOWN, rows), dim.div_ceil(16), 256)
         }
         Op::Sample {
             logits,

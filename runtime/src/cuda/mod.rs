@@ -560,6 +560,8 @@ struct Worker {
     rope: DevBuf,
     staging: Pinned,
     funcs: HashMap<String, sys::CUfunction>,
+    /// Launch kernels as programmatic dependent launches (`FLASHPLAN_PDL`, default on).
+    pdl: bool,
     modules: Vec<sys::CUmodule>,
     rope_cfg: Rope,
     stream: Arc<CudaStream>,
@@ -577,12 +579,31 @@ impl Drop for Worker {
     }
 }
 
+/// `FLASHPLAN_PDL`: `1` (default) launches every kernel as a programmatic dependent launch, `0` as a plain launch
+/// (for comparison; the results are the same).
+///
+/// # Errors
+/// Any other value: [`BackendError::Device`] naming the variable and the accepted values.
+fn pdl_setting() -> Result<bool, BackendError> {
+    match std::env::var("FLASHPLAN_PDL") {
+        Err(_) => Ok(true),
+        Ok(v) => match v.as_str() {
+            "1" => Ok(true),
+            "0" => Ok(false),
+            _ => Err(BackendError::Device(format!(
+                "FLASHPLAN_PDL={v:?} is not understood: expected 1 (programmatic dependent launches, the default) or 0"
+            ))),
+        },
+    }
+}
+
 impl Worker {
     fn new(
         body: Arc<PlanBody>,
         weights: Vec<Option<weights::DevWeight>>,
         want: (i32, i32),
     ) -> Result<Worker, BackendError> {
+        let pdl = pdl_setting()?;
         let ctx = CudaContext::new(0).map_err(dev_err("CUDA context"))?;
         ctx.bind_to_thread().map_err(dev_err("bind context"))?;
         // SAFETY: this backend never uses cudarc's tracked slices, only raw allocations.
@@ -680,6 +701,7 @@ impl Worker {
             rope,
             staging,
             funcs,
+            pdl,
             modules,
             rope_cfg,
             stream,
@@ -756,29 +778,52 @@ impl Worker {
     }
 
     fn launch(&self, sp: &launch::LaunchSpec) -> Result<(), BackendError> {
-        let f = *self.funcs.get(sp.kernel).ok_or_else(|| {
-            BackendError::Device(format!(
-                "the plan's kernels have no entry point `{}`",
-                sp.kernel
-            ))
-        })?;
         let mut params = sp.params.clone();
         let mut args = [params.as_mut_ptr() as *mut c_void];
-        // SAFETY: the function takes one parameter struct by value whose bytes `params` holds; every address in it
-        // points into this worker's allocations, which outlive the launch (and every graph).
-        unsafe { result::launch_kernel(f, sp.grid, sp.block, 0, self.cu(), &mut args) }
-            .map_err(|e| BackendError::Device(format!("launching {}: {e}", sp.kernel)))?;
+        self.launch_one(sp.kernel, sp.grid, sp.block, &mut args)?;
         for &(k2, grid, block) in &sp.then {
-            let f2 = *self.funcs.get(k2).ok_or_else(|| {
-                BackendError::Device(format!("the plan's kernels have no entry point `{k2}`"))
-            })?;
-            // SAFETY: as above, same parameter struct.
-            unsafe {
-                result::launch_kernel(f2, (grid, 1, 1), (block, 1, 1), 0, self.cu(), &mut args)
-            }
-            .map_err(|e| BackendError::Device(format!("launching {k2}: {e}")))?;
+            self.launch_one(k2, (grid, 1, 1), (block, 1, 1), &mut args)?;
         }
         Ok(())
+    }
+
+    /// One kernel launch on the worker's stream; with `pdl` as a programmatic dependent launch (the kernel may be
+    /// scheduled while the previous one finishes; every kernel waits for it in `pdl_start`, `kernels/common.cuh`).
+    fn launch_one(
+        &self,
+        kernel: &str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        args: &mut [*mut c_void; 1],
+    ) -> Result<(), BackendError> {
+        let f = *self.funcs.get(kernel).ok_or_else(|| {
+            BackendError::Device(format!("the plan's kernels have no entry point `{kernel}`"))
+        })?;
+        let mut attr = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            // SAFETY: an all-zero union is a valid value; the field used is set next.
+            value: unsafe { std::mem::zeroed() },
+        };
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block.0,
+            blockDimY: block.1,
+            blockDimZ: block.2,
+            sharedMemBytes: 0,
+            hStream: self.cu(),
+            attrs: &mut attr,
+            numAttrs: u32::from(self.pdl),
+        };
+        // SAFETY: the function takes one parameter struct by value whose bytes `args[0]` points to; every address in
+        // it points into this worker's allocations, which outlive the launch (and every graph). `config` and `attr`
+        // live across the call.
+        unsafe { sys::cuLaunchKernelEx(&config, f, args.as_mut_ptr(), std::ptr::null_mut()) }
+            .result()
+            .map_err(|e| BackendError::Device(format!("launching {kernel}: {e}")))
     }
 
     fn capture(&mut self, i: usize) -> Result<Option<CaptureInfo>, BackendError> {
