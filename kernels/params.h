@@ -18,6 +18,7 @@ typedef unsigned int u32;
 
 #define FP_MAX_NGRAM 8
 #define FP_MAX_PLE_HEADS 32
+#define FP_MAX_LINEARS 4
 
 /* One stream of the device round descriptor (mirror of RoundDesc's StreamDesc). 48 bytes. */
 typedef struct FpStream {
@@ -112,6 +113,26 @@ typedef struct FpLinearMxfp8 {
     u32 gathered;
     u32 split;
 } FpLinearMxfp8;
+
+/* linear_multi (linear.cu): up to FP_MAX_LINEARS `linear`s of one launch that read the same x (same k, sub,
+ * gathered and split), matrix m with weight w[m], output out[m], n[m] features and accumulate[m]. Its blocks come
+ * first in m's order: blocks[m] of them (m's own `linear` grid), then m + 1's. count: matrices used (1 ..
+ * FP_MAX_LINEARS). Every output element gets the arithmetic of its own `linear` launch: bit-identical. */
+typedef struct FpLinearMulti {
+    FpCommon c;
+    u64 x;
+    u64 w[FP_MAX_LINEARS];
+    u64 out[FP_MAX_LINEARS];
+    u32 n[FP_MAX_LINEARS];
+    u32 accumulate[FP_MAX_LINEARS];
+    u32 blocks[FP_MAX_LINEARS];
+    u32 k;
+    u32 sub;
+    u32 gathered;
+    u32 split;
+    u32 count;
+    u32 pad;
+} FpLinearMulti;
 
 typedef struct FpAddBroadcast {
     FpCommon c;

@@ -5,6 +5,7 @@ use flashplan_plan::{
     BufId, GateAct, KeepSrc, Op, PlanBody, SampleRows, Space, StateId, Variant, WeightId,
 };
 
+use super::fuse;
 use super::params::*;
 use crate::backend::BackendError;
 use crate::cpu::kernels::Rope;
@@ -216,6 +217,123 @@ fn linear_mxfp8(p: &FpLinear, scales: u64, total: u32, grid: u32) -> LaunchSpec 
     }
 }
 
+/// A `Linear` node's parameters, its launch's row count (sub-rows: `total`) and output features per block of
+/// `linear` (a block of 8 warps: 8 / split groups of 2 features for one or two rows, 4 beyond, each over split
+/// slices of K).
+fn linear_params(a: &Addrs, v: &Variant, op: &Op) -> Result<(FpLinear, u32, u32), BackendError> {
+    let Op::Linear {
+        x,
+        w,
+        out,
+        k,
+        n,
+        sub,
+        accumulate,
+    } = op
+    else {
+        return Err(BackendError::Device(format!(
+            "linear parameters for a `{}` node",
+            op.kernel()
+        )));
+    };
+    let (streams, window) = v.kind.shape();
+    let gathered = fuse::linear_gathered(v, *x, *k, *sub);
+    let p = FpLinear {
+        c: a.common,
+        x: a.buf(v, *x),
+        w: a.w(*w)?,
+        out: a.buf(v, *out),
+        k: *k,
+        n: *n,
+        sub: *sub,
+        accumulate: *accumulate as u32,
+        gathered: gathered as u32,
+        split: k_split(*k),
+    };
+    let total = if gathered { streams } else { streams * window } * *sub;
+    let per_block = if total <= 2 { 2 } else { 4 } * (8 / p.split);
+    Ok((p, total, per_block))
+}
+
+/// `linear_multi` entry points per row tile (kernels/linear.cu).
+const LINEAR_MULTI: ByRows = [
+    "linear_multi_t1",
+    "linear_multi_t2",
+    "linear_multi_t4",
+    "linear_multi_t8",
+    "linear_multi_t16",
+];
+
+/// One `linear_multi` launch for a run of sibling BF16 `Linear` nodes (`fuse::launch_groups`: same x, k and sub,
+/// outputs apart from x and from each other, at most `FP_MAX_LINEARS`). Matrix m gets `blocks[m]` = the grid of its
+/// own `linear` launch; the row tile and split of K are those of every node of the run, so each output is
+/// bit-identical to the unfused launch.
+fn linear_multi(a: &Addrs, v: &Variant, ops: &[&Op]) -> Result<LaunchSpec, BackendError> {
+    if ops.is_empty() || ops.len() > FP_MAX_LINEARS {
+        return Err(BackendError::Device(format!(
+            "linear_multi: {} linears (1 ..= {FP_MAX_LINEARS})",
+            ops.len()
+        )));
+    }
+    let mut m = FpLinearMulti {
+        count: ops.len() as u32,
+        ..Default::default()
+    };
+    let (mut total, mut grid) = (0, 0);
+    for (i, op) in ops.iter().enumerate() {
+        let (p, t, per_block) = linear_params(a, v, op)?;
+        if i > 0 && (p.x != m.x || p.k != m.k || p.sub != m.sub || t != total) {
+            return Err(BackendError::Device(
+                "linear_multi: the linears of a run differ in x, k or rows".into(),
+            ));
+        }
+        (m.c, m.x, m.k, m.sub, m.gathered, m.split) = (p.c, p.x, p.k, p.sub, p.gathered, p.split);
+        m.w[i] = p.w;
+        m.out[i] = p.out;
+        m.n[i] = p.n;
+        m.accumulate[i] = p.accumulate;
+        m.blocks[i] = p.n.div_ceil(per_block).max(1);
+        grid += m.blocks[i];
+        total = t;
+    }
+    Ok(LaunchSpec {
+        kernel: by_rows(LINEAR_MULTI, total),
+        params: bytes(&m),
+        grid: (grid, 1, 1),
+        block: (256, 1, 1),
+        then: Vec::new(),
+    })
+}
+
+/// Launch specs of a variant, one entry per node in node order. With `fuse_linears`, each run of sibling linears
+/// (`fuse::launch_groups`) is one `linear_multi` launch standing at its first node's entry; the run's other
+/// nodes get `None` (no launch of their own). Otherwise every node has its own launch.
+pub(crate) fn specs(
+    a: &Addrs,
+    v: &Variant,
+    fuse_linears: bool,
+) -> Result<Vec<Option<LaunchSpec>>, BackendError> {
+    if !fuse_linears {
+        return v
+            .nodes
+            .iter()
+            .map(|n| spec(a, v, &n.op).map(Some))
+            .collect();
+    }
+    let mxfp8 = |w: WeightId| a.mxfp8_scales.get(w.0 as usize).is_some_and(|&s| s != 0);
+    let mut out = Vec::with_capacity(v.nodes.len());
+    for g in fuse::launch_groups(v, mxfp8) {
+        if g.len() == 1 {
+            out.push(Some(spec(a, v, &v.nodes[g.start].op)?));
+        } else {
+            let ops: Vec<&Op> = v.nodes[g.clone()].iter().map(|n| &n.op).collect();
+            out.push(Some(linear_multi(a, v, &ops)?));
+            out.extend((1..g.len()).map(|_| None));
+        }
+    }
+    Ok(out)
+}
+
 /// Parameters and launch shape of one node.
 pub(crate) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, BackendError> {
     let (streams, window) = v.kind.shape();
@@ -308,32 +426,8 @@ pub(crate) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
             };
             one("rms_norm", bytes(&p), rows, 256)
         }
-        Op::Linear {
-            x,
-            w,
-            out,
-            k,
-            n,
-            sub,
-            accumulate,
-        } => {
-            let gathered = v.buf(*x).elems < rows as u64 * *sub as u64 * *k as u64;
-            let p = FpLinear {
-                c,
-                x: a.buf(v, *x),
-                w: a.w(*w)?,
-                out: a.buf(v, *out),
-                k: *k,
-                n: *n,
-                sub: *sub,
-                accumulate: *accumulate as u32,
-                gathered: gathered as u32,
-                split: k_split(*k),
-            };
-            // A block of 8 warps: 8 / split groups of 2 (one or two rows) or 4 features, each over split slices of K.
-            let total = if gathered { streams } else { rows } * *sub;
-            let per_block = if total <= 2 { 2 } else { 4 } * (8 / p.split);
-            let total = if gathered { streams } else { rows } * *sub;
+        Op::Linear { w, n, .. } => {
+            let (p, total, per_block) = linear_params(a, v, op)?;
             match a.mxfp8_scales.get(w.0 as usize) {
                 Some(&scales) if scales != 0 => {
                     // linear_mxfp8 keeps 4 features per group at every tile.

@@ -13,6 +13,7 @@
 //! - Io buffers are read back through pinned host memory allocated with flags 0 (not write-combined), on demand.
 //! - A missing GPU or driver, or a plan for another arch or other kernel sources, is an error, never a panic.
 
+mod fuse;
 mod launch;
 mod weights;
 #[allow(missing_docs, dead_code)]
@@ -142,7 +143,9 @@ pub struct BenchResult {
     /// Per-kernel time summed over the nodes of one replay, microseconds, by kernel name; a node's time is measured
     /// inside a graph of 20 back-to-back copies of it (so it includes the in-graph launch gap).
     pub kernels_us: Vec<(String, f64)>,
-    /// Each node's in-graph time (best of three graph replays, per copy), microseconds, in node order.
+    /// Each node's in-graph time (best of three graph replays, per copy), microseconds, in node order. A run of
+    /// sibling linears launched as one `linear_multi` (`FLASHPLAN_FUSE_LINEAR`) has the fused launch's time at its
+    /// first node and 0 at the others.
     pub nodes_us: Vec<f64>,
 }
 
@@ -562,6 +565,8 @@ struct Worker {
     funcs: HashMap<String, sys::CUfunction>,
     /// Launch kernels as programmatic dependent launches (`FLASHPLAN_PDL`, default on).
     pdl: bool,
+    /// Launch runs of sibling linears as one `linear_multi` (`FLASHPLAN_FUSE_LINEAR`, default on).
+    fuse_linear: bool,
     modules: Vec<sys::CUmodule>,
     rope_cfg: Rope,
     stream: Arc<CudaStream>,
@@ -597,6 +602,24 @@ fn pdl_setting() -> Result<bool, BackendError> {
     }
 }
 
+/// `FLASHPLAN_FUSE_LINEAR`: `1` (default) launches each run of consecutive sibling BF16 linears (same input) as one
+/// `linear_multi` (`fuse.rs`), `0` launches every node on its own (for comparison; the results are the same bits).
+///
+/// # Errors
+/// Any other value: [`BackendError::Device`] naming the variable and the accepted values.
+fn fuse_linear_setting() -> Result<bool, BackendError> {
+    match std::env::var("FLASHPLAN_FUSE_LINEAR") {
+        Err(_) => Ok(true),
+        Ok(v) => match v.as_str() {
+            "1" => Ok(true),
+            "0" => Ok(false),
+            _ => Err(BackendError::Device(format!(
+                "FLASHPLAN_FUSE_LINEAR={v:?} is not understood: expected 1 (fuse sibling linears, the default) or 0"
+            ))),
+        },
+    }
+}
+
 impl Worker {
     fn new(
         body: Arc<PlanBody>,
@@ -604,6 +627,7 @@ impl Worker {
         want: (i32, i32),
     ) -> Result<Worker, BackendError> {
         let pdl = pdl_setting()?;
+        let fuse_linear = fuse_linear_setting()?;
         let ctx = CudaContext::new(0).map_err(dev_err("CUDA context"))?;
         ctx.bind_to_thread().map_err(dev_err("bind context"))?;
         // SAFETY: this backend never uses cudarc's tracked slices, only raw allocations.
@@ -702,6 +726,7 @@ impl Worker {
             staging,
             funcs,
             pdl,
+            fuse_linear,
             modules,
             rope_cfg,
             stream,
@@ -749,8 +774,9 @@ impl Worker {
         unsafe { result::stream::synchronize(self.cu()) }.map_err(dev_err("kernel execution"))
     }
 
-    /// Launch specs of every node of variant `i`.
-    fn specs(&self, i: usize) -> Result<Vec<launch::LaunchSpec>, BackendError> {
+    /// Launch specs of variant `i`, one entry per node (`launch::specs`: `None` for a node whose work a fused launch
+    /// at an earlier node of its run does).
+    fn specs(&self, i: usize) -> Result<Vec<Option<launch::LaunchSpec>>, BackendError> {
         let v = &self.body.variants[i];
         let (s, w) = v.kind.shape();
         let ms = self.body.io.max_streams as u64;
@@ -774,7 +800,7 @@ impl Worker {
             rope: self.rope.ptr,
             rope_cfg: &self.rope_cfg,
         };
-        v.nodes.iter().map(|n| launch::spec(&a, v, &n.op)).collect()
+        launch::specs(&a, v, self.fuse_linear)
     }
 
     fn launch(&self, sp: &launch::LaunchSpec) -> Result<(), BackendError> {
@@ -841,7 +867,7 @@ impl Worker {
         }
         .map_err(dev_err("begin capture"))?;
         let mut launched = Ok(());
-        for sp in &specs {
+        for sp in specs.iter().flatten() {
             launched = self.launch(sp);
             if launched.is_err() {
                 break;
@@ -857,7 +883,7 @@ impl Worker {
         self.graphs.insert(i, Graph { exec, graph });
         Ok(Some(CaptureInfo {
             variant: self.body.variants[i].kind.name(),
-            nodes: specs.iter().map(|s| s.launches()).sum(),
+            nodes: specs.iter().flatten().map(|s| s.launches()).sum(),
             ms: t0.elapsed().as_secs_f64() * 1e3,
         }))
     }
@@ -1016,6 +1042,12 @@ impl Worker {
         let mut per: BTreeMap<String, f64> = BTreeMap::new();
         let mut nodes_us = Vec::with_capacity(specs.len());
         for sp in &specs {
+            // A node fused into an earlier node's launch costs nothing of its own (that launch's time stands at
+            // the run's first node).
+            let Some(sp) = sp else {
+                nodes_us.push(0.0);
+                continue;
+            };
             // The node's cost inside a graph: a graph of NODE_REPEATS back-to-back copies of it, replayed; the time
             // per copy includes the in-graph launch gap, as in the variant's own graph.
             let g = self.repeat_graph(sp, NODE_REPEATS)?;
