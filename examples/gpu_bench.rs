@@ -79,7 +79,7 @@ fn config(layers: usize) -> anyhow::Result<ModelConfig> {
     let full = t["layer_types"].as_array().cloned().unwrap_or_default();
     t["num_hidden_layers"] = layers.into();
     t["layer_types"] = serde_json::Value::Array(full.into_iter().take(layers).collect());
-    t["ple_layer_ids"] = serde_json::json!([1]);
+    t["ple_layer_ids"] = serde_json::json!([2]); // one-indexed: layer index 1
     t["ngram_vocab_size_base"] = 100000.into();
     Ok(ModelConfig::from_json_str(&j.to_string())?)
 }

@@ -164,11 +164,12 @@ def eager_experts(module):
 
 
 def prompt_ids(seed: int, vocab: int, eos: int, n: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (n,), generator=g)
+    # On the CPU whatever the default device (main() switches it): the same ids on every machine.
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    ids = torch.randint(0, vocab, (n,), generator=g, device="cpu")
     while bool((ids == eos).any()):
         bad = ids == eos
-        ids[bad] = torch.randint(0, vocab, (int(bad.sum()),), generator=g)
+        ids[bad] = torch.randint(0, vocab, (int(bad.sum()),), generator=g, device="cpu")
     return ids.to(torch.int64)
 
 

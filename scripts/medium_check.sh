@@ -25,7 +25,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 mode="${1:-build}"
 shift || true
-exclude() { grep -qxF "$1" .git/info/exclude 2>/dev/null || echo "$1" >>.git/info/exclude; }
+exclude() { [ -d .git ] || return 0; grep -qxF "$1" .git/info/exclude 2>/dev/null || echo "$1" >>.git/info/exclude; }
 unxz_to() { # xz-decompress $1 into $2 (Python's lzma: no xz binary needed there)
     python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' "$1" "$2"
 }
@@ -49,7 +49,7 @@ build)
     fi
     rm -rf medium-bin medium-tf && mkdir -p medium-bin/kernels
     cargo build --release --example medium_check
-    cp target/release/examples/medium_check medium-bin/medium-check
+    cp "${CARGO_TARGET_DIR:-target}/release/examples/medium_check" medium-bin/medium-check
     strip medium-bin/medium-check
     xz -9e -T1 medium-bin/medium-check
     FLASHPLAN_KERNEL_CACHE="$PWD/medium-bin/kernels" cargo test --release -q -p flashplan-compiler --lib \

@@ -6,7 +6,7 @@
 //!   same logits, row by row, for greedy, temperature, top-k, top-p and min-p settings;
 //! - drafted == `"draft": false` token ids (greedy and seeded sampled, T 0.8 top-p 0.95), several prompts and
 //!   depths;
-//! - concurrent == solo with 1, 2, 4 and 8 streams (greedy and seeded sampled);
+//! - concurrent == solo with 1, 2, 4, 8 and 16 streams (greedy and seeded sampled);
 //! - GPU tokens == CPU-backend tokens (BF16-rounded weights on the CPU) for the same requests;
 //! - the copy prompt (a held-out 160-token Python passage, the separator and its first 20 tokens) decoded with and
 //!   without drafts: tokens/s both ways (wall time after a warm-up run, best of three).
@@ -375,8 +375,11 @@ fn copy_prompt(t: &tokenizers::Tokenizer) -> Vec<u32> {
     p
 }
 
+/// 16 prompts: the stream texts twice (the second 8 streams differ from the first in slot and seed).
 fn stream_prompts(t: &tokenizers::Tokenizer) -> Vec<Vec<u32>> {
-    STREAM_TEXTS.iter().map(|s| encode(t, s)).collect()
+    (0..16)
+        .map(|i| encode(t, STREAM_TEXTS[i % STREAM_TEXTS.len()]))
+        .collect()
 }
 
 fn speed(m: &mut Models, t: &tokenizers::Tokenizer, rep: &mut Report) {
@@ -503,18 +506,18 @@ fn gpu_rounds_on_the_tiny_model() {
         );
     }
 
-    // Concurrent == solo, 1, 2, 4, 8 streams.
+    // Concurrent == solo, 1, 2, 4, 8, 16 streams.
     let ps = stream_prompts(&t);
     for sampled_ in [false, true] {
-        let mut e1 = m.engine(true, &[1, 2, 4, 8], 6, 6);
+        let mut e1 = m.engine(true, &[1, 2, 4, 8, 16], 6, 6);
         let solos: Vec<Vec<u32>> = ps
             .iter()
             .enumerate()
             .map(|(i, p)| solo(&mut e1, stream_request(p, i, sampled_)).0)
             .collect();
         drop(e1);
-        for n in [1usize, 2, 4, 8] {
-            let mut e = m.engine(true, &[1, 2, 4, 8], 6, 6);
+        for n in [1usize, 2, 4, 8, 16] {
+            let mut e = m.engine(true, &[1, 2, 4, 8, 16], 6, 6);
             let reqs: Vec<Request> = (0..n)
                 .map(|i| stream_request(&ps[i], i, sampled_))
                 .collect();
