@@ -13,7 +13,8 @@
 //
 // Loads: 8 codes per lane per chunk (8-byte streaming loads, up to 4 chunks of each of the warp's 4 rows in flight
 // per lane: with linear's S that is a whole slice up to k = 8192) and the chunk's scale byte (one per 32 codes,
-// shared by 4 lanes). Decoding costs a few integer and two f32 operations per weight, shared by the tile's rows.
+// shared by 4 lanes). Decoding: the hardware E4M3x2 -> f16x2 conversion, f16 -> f32 and one multiply by the
+// scale per weight, shared by the tile's rows.
 #include "common.cuh"
 
 typedef unsigned char u8_t;
@@ -49,12 +50,28 @@ DEV float e8m0_f32(u32 s) {
 // two times at most 4 significant bits; the f32 range holds every value a finite re-coded weight can have), the
 // same product runtime/src/mxfp8.rs's `dequantize_stored` computes.
 DEV float mx_value(u32 code, float scale) { return e4m3_f32(code) * scale; }
-// Eight weights of an 8-byte load (code k + e in byte e, little-endian), in order, with their group's scale.
+// Two codes (bytes 0 and 1 of `two`) to f32 through the hardware conversion E4M3x2 -> f16x2 (sm_89+; exact: every
+// E4M3 value, subnormals and NaN included, is an f16 value) and f16 -> f32 (exact): the same values as e4m3_f32.
+DEV void e4m3x2_f32(u32 two, float& lo, float& hi) {
+    u32 h2;
+    asm("{\n .reg .b16 a;\n cvt.u16.u32 a, %1;\n cvt.rn.f16x2.e4m3x2 %0, a;\n}" : "=r"(h2) : "r"(two));
+    asm("{\n .reg .f16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;\n}"
+        : "=f"(lo), "=f"(hi)
+        : "r"(h2));
+}
+// Eight weights of an 8-byte load (code k + e in byte e, little-endian), in order, with their group's scale: each
+// the exact product e4m3(code) * scale (mx_value's value; the hardware conversion replaces the bit arithmetic).
 DEV void mx_unpack8(const uint2 v, float scale, float* f) {
+    const u32 w[2] = {v.x, v.y};
 #pragma unroll
-    for (int e = 0; e < 4; e++) {
-        f[e] = mx_value((v.x >> (8 * e)) & 0xffu, scale);
-        f[4 + e] = mx_value((v.y >> (8 * e)) & 0xffu, scale);
+    for (int h = 0; h < 2; h++) {
+        float a, b, c, d;
+        e4m3x2_f32(w[h] & 0xffffu, a, b);
+        e4m3x2_f32(w[h] >> 16, c, d);
+        f[4 * h] = a * scale;
+        f[4 * h + 1] = b * scale;
+        f[4 * h + 2] = c * scale;
+        f[4 * h + 3] = d * scale;
     }
 }
 
