@@ -3,8 +3,8 @@
 // is e4m3(code) * 2^(s - 127). Activations and results f32.
 //
 // Same parameters, launch shape and arithmetic as `linear` (linear.cu): each weight is decoded exactly to f32, then
-// every (feature, row) sum takes linear's order: K cut into the launch's S slices (`mx_slice_bounds`, as
-// common.cuh's slice_bounds), in each slice `warp_dots`' per-lane order (vector path, k % 8 == 0: chunks of 8 at
+// every (feature, row) sum takes linear's order: K cut into the launch's S slices (common.cuh's slice_bounds),
+// in each slice `warp_dots`' per-lane order (vector path, k % 8 == 0: chunks of 8 at
 // lane*8 + 256 j from the slice start in ascending j, dot8 each, added to the lane's accumulator; scalar path
 // lane + 32 j, fused multiply-adds) and warp tree, then the S partials added in slice order (as slice_sum). So a
 // row's result never depends on the other rows or on how many there are, and it is bit-identical to `linear` run on
@@ -140,21 +140,9 @@ DEV void mx_warp_dots(const u8_t* const* w, const u8_t* const* s, u32 k0, u32 nm
         for (int t = 0; t < T; t++) res[m][t] = warp_sum(acc[m][t]);
 }
 
-// Split-K as in linear (common.cuh's slice_bounds / slice_sum, same formulas): slice sl of S covers
-// [sl * per, (sl + 1) * per) cut at K, per = ceil(K / 8 / S) * 8; a group's S partials are added in slice order.
-#define MX_WARPS 8
+// Split-K exactly as linear: common.cuh's slice_bounds / slice_sum.
+#define MX_WARPS SPLIT_WARPS
 #define MX_NPW 4
-DEV void mx_slice_bounds(u32 K, u32 S, u32 sl, u32& ka, u32& kb) {
-    const u32 per = ((K + 7) / 8 + S - 1) / S * 8;
-    ka = sl * per < K ? sl * per : K;
-    kb = ka + per < K ? ka + per : K;
-}
-template <int T>
-DEV float mx_slice_sum(float (*part)[MX_NPW][T], u32 g, u32 S, u32 m, u32 t) {
-    float v = 0.0f;
-    for (u32 s = 0; s < S; s++) v += part[g * S + s][m][t];
-    return v;
-}
 
 // As linear_t (linear.cu): a block of 8 warps = 8 / S groups of 4 features x S slices of K, tiles of T sub-rows;
 // the partials go through shared memory and are summed per (feature, sub-row) in slice order.
@@ -171,7 +159,7 @@ DEV void linear_mxfp8_t(const FpLinearMxfp8& p, u32 total) {
     const u32 groups = (p.k + 31) / 32;
     const bool wvec = (p.k & 7) == 0 && (p.codes & 7) == 0;
     u32 ka, kb;
-    mx_slice_bounds(p.k, S, warp % S, ka, kb);
+    slice_bounds(p.k, S, warp % S, ka, kb);
     for (u32 nb0 = blockIdx.x * per_block; nb0 < p.n; nb0 += gridDim.x * per_block) {
         const u32 n0 = nb0 + g * MX_NPW;
         const u32 nm = n0 >= p.n ? 0 : (p.n - n0 < MX_NPW ? p.n - n0 : MX_NPW);
@@ -199,7 +187,7 @@ DEV void linear_mxfp8_t(const FpLinearMxfp8& p, u32 total) {
                 const u32 gg = q / (MX_NPW * T), m = (q / T) % MX_NPW, t = q % T;
                 const u32 n = nb0 + gg * MX_NPW + m;
                 if (n >= p.n || i0 + t >= total || !row_ok(c, (i0 + t) / p.sub, p.gathered)) continue;
-                const float v = mx_slice_sum<T>(part, gg, S, m, t);
+                const float v = slice_sum<T, MX_NPW>(part, gg, S, m, t);
                 float* o = O + (u64)(i0 + t) * p.n + n;
                 *o = p.accumulate ? *o + v : v;
             }

@@ -1,5 +1,6 @@
 // Row movement and elementwise kernels: embed_streams, embed, gather_rows, last_rows, add_broadcast, hc_write,
-// keep_count. One block per row (grid-stride), so any grid size gives the same result.
+// keep_count. One block per row (grid-stride; hc_write: one thread per element), so any grid size gives the same
+// result.
 #include "common.cuh"
 
 // out[(r*copies + c)*dim + d] = table[tok[r]*dim + d] for real rows (embed: copies = 1).

@@ -858,29 +858,8 @@ impl Worker {
         }
         let t0 = Instant::now();
         let specs = self.specs(i)?;
-        // SAFETY: capture on our non-default stream in thread-local mode; ended below on every path.
-        unsafe {
-            result::stream::begin_capture(
-                self.cu(),
-                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
-            )
-        }
-        .map_err(dev_err("begin capture"))?;
-        let mut launched = Ok(());
-        for sp in specs.iter().flatten() {
-            launched = self.launch(sp);
-            if launched.is_err() {
-                break;
-            }
-        }
-        // SAFETY: the capture begun above.
-        let graph = unsafe { result::stream::end_capture(self.cu()) };
-        launched?;
-        let graph = graph.map_err(dev_err("end capture"))?;
-        // SAFETY: graph is a valid captured graph.
-        let exec = unsafe { result::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) }
-            .map_err(dev_err("graph instantiate"))?;
-        self.graphs.insert(i, Graph { exec, graph });
+        let g = self.capture_graph(specs.iter().flatten())?;
+        self.graphs.insert(i, g);
         Ok(Some(CaptureInfo {
             variant: self.body.variants[i].kind.name(),
             nodes: specs.iter().flatten().map(|s| s.launches()).sum(),
@@ -986,6 +965,14 @@ impl Worker {
 
     /// A graph of `n` back-to-back launches of one node (benchmarks only; the node's side effects repeat).
     fn repeat_graph(&self, sp: &launch::LaunchSpec, n: u32) -> Result<Graph, BackendError> {
+        self.capture_graph(std::iter::repeat_n(sp, n as usize))
+    }
+
+    /// Captures the launches of `specs`, in order, into an instantiated graph (on our stream, thread-local mode).
+    fn capture_graph<'s>(
+        &self,
+        specs: impl Iterator<Item = &'s launch::LaunchSpec>,
+    ) -> Result<Graph, BackendError> {
         // SAFETY: capture on our non-default stream in thread-local mode; ended below on every path.
         unsafe {
             result::stream::begin_capture(
@@ -995,7 +982,7 @@ impl Worker {
         }
         .map_err(dev_err("begin capture"))?;
         let mut launched = Ok(());
-        for _ in 0..n {
+        for sp in specs {
             launched = self.launch(sp);
             if launched.is_err() {
                 break;
@@ -1003,12 +990,23 @@ impl Worker {
         }
         // SAFETY: the capture begun above.
         let graph = unsafe { result::stream::end_capture(self.cu()) };
-        launched?;
+        if let Err(e) = launched {
+            if let Ok(g) = graph {
+                // SAFETY: the graph just captured, destroyed once.
+                let _ = unsafe { result::graph::destroy(g) };
+            }
+            return Err(e);
+        }
         let graph = graph.map_err(dev_err("end capture"))?;
         // SAFETY: graph is a valid captured graph.
-        let exec = unsafe { result::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) }
-            .map_err(dev_err("graph instantiate"))?;
-        Ok(Graph { exec, graph })
+        match unsafe { result::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) } {
+            Ok(exec) => Ok(Graph { exec, graph }),
+            Err(e) => {
+                // SAFETY: the graph just captured, destroyed once.
+                let _ = unsafe { result::graph::destroy(graph) };
+                Err(dev_err("graph instantiate")(e))
+            }
+        }
     }
 
     fn bench(&mut self, i: usize, d: &[u8], iters: u32) -> Result<BenchResult, BackendError> {
