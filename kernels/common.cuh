@@ -210,13 +210,31 @@ DEV bool row_ok(const FpCommon& c, u32 r, bool gathered) {
     return real_row(c, r, s, j);
 }
 
+// Weight rows for warp_dots_rows: a row of BF16 weights. load(kk): the 8 weights at kk .. kk+7 as one raw chunk
+// (a 16-byte streaming load); unpack: their f32 values in order; at(kk): one weight (scalar path); from(k): the
+// row starting k weights later. Other formats (kernels/mxfp8.cu) provide the same members.
+struct Bf16Row {
+    const bf16_t* p;
+    typedef uint4 raw_t;
+    DEV raw_t load(u32 kk) const { return ldg_stream16(p + kk); }
+    DEV static raw_t zero() { return zero4(); }
+    DEV static void unpack(const raw_t& v, float* f) { unpack8(v, f); }
+    DEV float at(u32 kk) const { return bf2f(p[kk]); }
+    DEV Bf16Row from(u32 k) const {
+        Bf16Row r;
+        r.p = p + k;
+        return r;
+    }
+};
+
 // res[m][t] = dot(w[m][0..K), X[t * xs ..][0..K)) for NPW weight rows (m < nm) and T activation rows (ok[t]), by
-// one warp. Vector path (K % 8 == 0, weights 16-byte aligned): lane l takes the chunks of 8 at l*8 + 256 j, U chunks
-// of every weight row in flight at a time; per (m, t) the lane sums its chunks in ascending k (dot8 each), then a
-// fixed warp tree. The arithmetic of one (m, t) never depends on T, NPW, nm or the other rows: row invariance.
-template <int T, int NPW, int U>
-DEV void warp_dots(const bf16_t* const* w, u32 nm, const float* X, u64 xs, const bool* ok, u32 K, bool wvec,
-                   u32 lane, float (&res)[NPW][T]) {
+// one warp. Vector path (K % 8 == 0, rows aligned for their loads: `wvec`): lane l takes the chunks of 8 at
+// l*8 + 256 j, U chunks of every weight row in flight at a time; per (m, t) the lane sums its chunks in ascending k
+// (dot8 each), then a fixed warp tree. The arithmetic of one (m, t) never depends on T, NPW, U, nm or the other
+// rows (row invariance), nor on the weight format beyond the values it decodes.
+template <int T, int NPW, int U, class Row>
+DEV void warp_dots_rows(const Row* w, u32 nm, const float* X, u64 xs, const bool* ok, u32 K, bool wvec, u32 lane,
+                        float (&res)[NPW][T]) {
     float acc[NPW][T];
 #pragma unroll
     for (int m = 0; m < NPW; m++)
@@ -225,13 +243,13 @@ DEV void warp_dots(const bf16_t* const* w, u32 nm, const float* X, u64 xs, const
     if (wvec) {
         const bool xvec = ((((u64)X) | (xs * 4)) & 15) == 0;
         for (u32 kb = lane * 8; kb < K; kb += 256 * U) {
-            uint4 wv[U][NPW];
+            typename Row::raw_t wv[U][NPW];
 #pragma unroll
             for (int u = 0; u < U; u++)
 #pragma unroll
                 for (int m = 0; m < NPW; m++) {
                     const u32 kk = kb + u * 256;
-                    wv[u][m] = ((u32)m < nm && kk < K) ? ldg_stream16(w[m] + kk) : zero4();
+                    wv[u][m] = ((u32)m < nm && kk < K) ? w[m].load(kk) : Row::zero();
                 }
 #pragma unroll
             for (int u = 0; u < U; u++) {
@@ -239,7 +257,7 @@ DEV void warp_dots(const bf16_t* const* w, u32 nm, const float* X, u64 xs, const
                 if (kk < K) {
                     float f[NPW][8];
 #pragma unroll
-                    for (int m = 0; m < NPW; m++) unpack8(wv[u][m], f[m]);
+                    for (int m = 0; m < NPW; m++) Row::unpack(wv[u][m], f[m]);
 #pragma unroll
                     for (int t = 0; t < T; t++) {
                         if (!ok[t]) continue;
@@ -256,7 +274,7 @@ DEV void warp_dots(const bf16_t* const* w, u32 nm, const float* X, u64 xs, const
 #pragma unroll
             for (int m = 0; m < NPW; m++) {
                 if ((u32)m >= nm) continue;
-                const float wv = bf2f(w[m][kk]);
+                const float wv = w[m].at(kk);
 #pragma unroll
                 for (int t = 0; t < T; t++)
                     if (ok[t]) acc[m][t] = fmaf(wv, X[(u64)t * xs + kk], acc[m][t]);
@@ -267,6 +285,15 @@ DEV void warp_dots(const bf16_t* const* w, u32 nm, const float* X, u64 xs, const
     for (int m = 0; m < NPW; m++)
 #pragma unroll
         for (int t = 0; t < T; t++) res[m][t] = warp_sum(acc[m][t]);
+}
+// warp_dots_rows over BF16 rows given by their first weights.
+template <int T, int NPW, int U>
+DEV void warp_dots(const bf16_t* const* w, u32 nm, const float* X, u64 xs, const bool* ok, u32 K, bool wvec,
+                   u32 lane, float (&res)[NPW][T]) {
+    Bf16Row r[NPW];
+#pragma unroll
+    for (int m = 0; m < NPW; m++) r[m].p = w[m];
+    warp_dots_rows<T, NPW, U>(r, nm, X, xs, ok, K, wvec, lane, res);
 }
 
 // Sum over the 8 lanes of a lane group (lanes 8g..8g+7), fixed tree; every lane of the group gets it.
@@ -305,21 +332,30 @@ DEV void slice_bounds(u32 K, u32 S, u32 sl, u32& ka, u32& kb) {
     ka = sl * per < K ? sl * per : K;
     kb = ka + per < K ? ka + per : K;
 }
-template <int T, int NPW, int U>
-DEV void slice_dots(const bf16_t* const* w, u32 nm, const float* X, u64 xs, const bool* ok, u32 K, u32 S, bool wvec,
-                    u32 lane, u32 warp, float (*part)[NPW][T]) {
+template <int T, int NPW, int U, class Row>
+DEV void slice_dots_rows(const Row* w, u32 nm, const float* X, u64 xs, const bool* ok, u32 K, u32 S, bool wvec,
+                         u32 lane, u32 warp, float (*part)[NPW][T]) {
     u32 ka, kb;
     slice_bounds(K, S, warp % S, ka, kb);
-    const bf16_t* ws[NPW];
+    Row ws[NPW];
 #pragma unroll
-    for (int m = 0; m < NPW; m++) ws[m] = w[m] + ka;
+    for (int m = 0; m < NPW; m++) ws[m] = w[m].from(ka);
     float res[NPW][T];
-    warp_dots<T, NPW, U>(ws, nm, X + ka, xs, ok, kb - ka, wvec, lane, res);
+    warp_dots_rows<T, NPW, U>(ws, nm, X + ka, xs, ok, kb - ka, wvec, lane, res);
     if (lane == 0)
 #pragma unroll
         for (int m = 0; m < NPW; m++)
 #pragma unroll
             for (int t = 0; t < T; t++) part[warp][m][t] = res[m][t];
+}
+// slice_dots_rows over BF16 rows given by their first weights.
+template <int T, int NPW, int U>
+DEV void slice_dots(const bf16_t* const* w, u32 nm, const float* X, u64 xs, const bool* ok, u32 K, u32 S, bool wvec,
+                    u32 lane, u32 warp, float (*part)[NPW][T]) {
+    Bf16Row r[NPW];
+#pragma unroll
+    for (int m = 0; m < NPW; m++) r[m].p = w[m];
+    slice_dots_rows<T, NPW, U>(r, nm, X, xs, ok, K, S, wvec, lane, warp, part);
 }
 template <int T, int NPW>
 DEV float slice_sum(float (*part)[NPW][T], u32 g, u32 S, u32 m, u32 t) {

@@ -1,56 +1,20 @@
-// linear: out[i, n] (+)= sum_k x[i, k] * w[n, k] over the sub-rows i of every real row. A block of 8 warps takes
-// 8 / S groups of 2 or 4 output features and splits K into S slices (S from the launch, chosen from K alone: enough
-// weight bytes in flight per warp without long serial chains); each warp reads its slice of its weight rows once
-// per tile of up to 16 sub-rows (16-byte streaming loads, up to 4 chunks per row in flight per lane) and the S
-// partial sums are added in slice order (`slice_dots`, `slice_sum`): a row's result never depends on the other
-// rows or on how many there are.
-#include "common.cuh"
+// linear: out[i, n] (+)= sum_k x[i, k] * w[n, k] with BF16 weights; the body is linear.cuh's `linear_rows`.
+#include "linear.cuh"
 
-// Blocks block, block + nblocks, ... of a launch of nblocks blocks (each per_block = 8 / S * LIN_NPW output features
-// in turn): `linear`'s grid-stride loop over its own grid, and `linear_multi`'s over one matrix's share of its grid.
-// The values of an output do not depend on which block computes it.
 template <int T, int LIN_NPW, int U>
 DEV void linear_t(const FpLinear& p, u32 total, u32 block, u32 nblocks) {
-    __shared__ float part[SPLIT_WARPS][LIN_NPW][T];
-    const FpCommon& c = p.c;
-    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const u32 S = p.split == 0 ? 1 : p.split;
-    const u32 G = SPLIT_WARPS / S, g = warp / S;
-    const u32 per_block = G * LIN_NPW;
-    const float* X = fptr(p.x);
-    float* O = fptr(p.out);
+    Bf16Mat mat;
+    mat.w = (const bf16_t*)p.w;
+    mat.k = p.k;
     const bool wvec = (p.k & 7) == 0 && (p.w & 15) == 0;
-    for (u32 nb0 = block * per_block; nb0 < p.n; nb0 += nblocks * per_block) {
-        const u32 n0 = nb0 + g * LIN_NPW;
-        const u32 nm = n0 >= p.n ? 0 : (p.n - n0 < LIN_NPW ? p.n - n0 : LIN_NPW);
-        const bf16_t* w[LIN_NPW];
-#pragma unroll
-        for (int m = 0; m < LIN_NPW; m++)
-            w[m] = (const bf16_t*)p.w + (u64)(nm == 0 ? 0 : n0 + ((u32)m < nm ? m : 0)) * p.k;
-        for (u32 i0 = 0; i0 < total; i0 += T) {
-            bool ok[T];
-#pragma unroll
-            for (int t = 0; t < T; t++) ok[t] = i0 + t < total && row_ok(c, (i0 + t) / p.sub, p.gathered);
-            slice_dots<T, LIN_NPW, U>(w, nm, X + (u64)i0 * p.k, p.k, ok, p.k, S, wvec, lane, warp, part);
-            __syncthreads();
-            for (u32 q = threadIdx.x; q < G * LIN_NPW * T; q += blockDim.x) {
-                const u32 gg = q / (LIN_NPW * T), m = (q / T) % LIN_NPW, t = q % T;
-                const u32 n = nb0 + gg * LIN_NPW + m;
-                if (n >= p.n || i0 + t >= total || !row_ok(c, (i0 + t) / p.sub, p.gathered)) continue;
-                const float v = slice_sum<T, LIN_NPW>(part, gg, S, m, t);
-                float* o = O + (u64)(i0 + t) * p.n + n;
-                *o = p.accumulate ? *o + v : v;
-            }
-            __syncthreads();
-        }
-    }
+    linear_rows<T, LIN_NPW, U>(p.c, mat, wvec, linear_args(p), total, block, nblocks);
 }
 
 // One entry point per row tile T (linear_t1 .. linear_t16, picked by the launch from the row count): each gets the
 // registers its tile needs, so small tiles keep their occupancy.
 template <int T>
 DEV void linear_entry(const FpLinear& p, u32 block, u32 nblocks) {
-    const u32 total = (p.gathered ? p.c.nstreams : p.c.nstreams * p.c.window) * p.sub;
+    const u32 total = linear_total(p.c, p.sub, p.gathered);
     // Features per warp and chunks in flight per tile (neither changes a row's arithmetic): 2 features for one or
     // two rows (fewer registers, more warps resident), 4 beyond (x reused over more weight rows).
     if (T <= 2)

@@ -2,20 +2,12 @@
 // each) and one E8M0 scale byte per 32 consecutive inputs of each output row ([n, ceil(k / 32)]); a weight's value
 // is e4m3(code) * 2^(s - 127). Activations and results f32.
 //
-// Same parameters, launch shape and arithmetic as `linear` (linear.cu): each weight is decoded exactly to f32, then
-// every (feature, row) sum takes linear's order: K cut into the launch's S slices (common.cuh's slice_bounds),
-// in each slice `warp_dots`' per-lane order (vector path, k % 8 == 0: chunks of 8 at
-// lane*8 + 256 j from the slice start in ascending j, dot8 each, added to the lane's accumulator; scalar path
-// lane + 32 j, fused multiply-adds) and warp tree, then the S partials added in slice order (as slice_sum). So a
-// row's result never depends on the other rows or on how many there are, and it is bit-identical to `linear` run on
-// the dequantized values held as BF16 (every MXFP8 value with a scale byte >= 3 is a BF16 value). A change to
-// linear's reduction order must be mirrored here (tests/gpu.rs compares the two bit for bit).
-//
-// Loads: 8 codes per lane per chunk (8-byte streaming loads, up to 4 chunks of each of the warp's 4 rows in flight
-// per lane: with linear's S that is a whole slice up to k = 8192) and the chunk's scale byte (one per 32 codes,
-// shared by 4 lanes). Decoding: the hardware E4M3x2 -> f16x2 conversion, f16 -> f32 and one multiply by the
-// scale per weight, shared by the tile's rows.
-#include "common.cuh"
+// Same parameters, launch shape and arithmetic as `linear`: the same body (linear.cuh's `linear_rows`) over MXFP8
+// rows (`Mx8Row`: 8-byte streaming loads of 8 codes and the chunk's scale byte, one per 32 codes). Each weight is
+// decoded exactly to f32 (the hardware E4M3x2 -> f16x2 conversion, f16 -> f32, one multiply by the scale), so the
+// result is bit-identical to `linear` run on the dequantized values held as BF16 (every MXFP8 value with a scale
+// byte >= 3 is a BF16 value; tests/gpu.rs compares the two bit for bit) and row-invariant as linear's.
+#include "linear.cuh"
 
 typedef unsigned char u8_t;
 
@@ -75,133 +67,67 @@ DEV void mx_unpack8(const uint2 v, float scale, float* f) {
     }
 }
 
-// res[m][t] = dot(w[m][k0..k0+K), X[t * xs ..][0..K)) for NPW MXFP8 weight rows (codes w[m], scales s[m], both from
-// the row's start; m < nm) and T activation rows (ok[t]), by one warp: `warp_dots` with MXFP8 loads. Vector path
-// (K % 8 == 0, k0 % 8 == 0, codes 8-byte aligned): lane l takes the chunks of 8 at k0 + l*8 + 256 j (a chunk lies in
-// one scale group: 32 % 8 == 0), U chunks of every weight row in flight; per (m, t) the lane sums its chunks in
-// ascending k (dot8 each), then the warp tree.
-template <int T, int NPW, int U>
-DEV void mx_warp_dots(const u8_t* const* w, const u8_t* const* s, u32 k0, u32 nm, const float* X, u64 xs,
-                      const bool* ok, u32 K, bool wvec, u32 lane, float (&res)[NPW][T]) {
-    float acc[NPW][T];
-#pragma unroll
-    for (int m = 0; m < NPW; m++)
-#pragma unroll
-        for (int t = 0; t < T; t++) acc[m][t] = 0.0f;
-    if (wvec) {
-        const bool xvec = ((((u64)X) | (xs * 4)) & 15) == 0;
-        for (u32 kb = lane * 8; kb < K; kb += 256 * U) {
-            uint2 wv[U][NPW];
-            uint2 z;
-            z.x = z.y = 0u;
-            u32 sv[U][NPW];
-#pragma unroll
-            for (int u = 0; u < U; u++)
-#pragma unroll
-                for (int m = 0; m < NPW; m++) {
-                    const u32 kk = kb + u * 256;
-                    const bool in = (u32)m < nm && kk < K;
-                    wv[u][m] = in ? ldg_stream8(w[m] + k0 + kk) : z;
-                    sv[u][m] = in ? ldg_u8(s[m] + (k0 + kk) / 32) : 127u;
-                }
-#pragma unroll
-            for (int u = 0; u < U; u++) {
-                const u32 kk = kb + u * 256;
-                if (kk < K) {
-                    float f[NPW][8];
-#pragma unroll
-                    for (int m = 0; m < NPW; m++) mx_unpack8(wv[u][m], e8m0_f32(sv[u][m]), f[m]);
-#pragma unroll
-                    for (int t = 0; t < T; t++) {
-                        if (!ok[t]) continue;
-                        float x[8];
-                        load_x8(X + (u64)t * xs + kk, xvec, x);
-#pragma unroll
-                        for (int m = 0; m < NPW; m++) acc[m][t] += dot8(f[m], x);
-                    }
-                }
-            }
-        }
-    } else {
-        for (u32 kk = lane; kk < K; kk += 32) {
-#pragma unroll
-            for (int m = 0; m < NPW; m++) {
-                if ((u32)m >= nm) continue;
-                const float wv = mx_value(w[m][k0 + kk], e8m0_f32(s[m][(k0 + kk) / 32]));
-#pragma unroll
-                for (int t = 0; t < T; t++)
-                    if (ok[t]) acc[m][t] = fmaf(wv, X[(u64)t * xs + kk], acc[m][t]);
-            }
-        }
+// A row of MXFP8 weights for common.cuh's warp_dots_rows (the members of Bf16Row): codes from `codes + k0`, the
+// scale of weight k at scales[(k0 + k) / 32]. A chunk of 8 (k0 + kk a multiple of 8) lies in one scale group.
+struct Mx8Row {
+    const u8_t* codes;
+    const u8_t* scales;
+    u32 k0;
+    struct raw_t {
+        uint2 c;
+        u32 s;
+    };
+    DEV raw_t load(u32 kk) const {
+        raw_t r;
+        r.c = ldg_stream8(codes + k0 + kk);
+        r.s = ldg_u8(scales + (k0 + kk) / 32);
+        return r;
     }
-#pragma unroll
-    for (int m = 0; m < NPW; m++)
-#pragma unroll
-        for (int t = 0; t < T; t++) res[m][t] = warp_sum(acc[m][t]);
-}
-
-// Split-K exactly as linear: common.cuh's slice_bounds / slice_sum.
-#define MX_WARPS SPLIT_WARPS
-#define MX_NPW 4
-
-// As linear_t (linear.cu): a block of 8 warps = 8 / S groups of 4 features x S slices of K, tiles of T sub-rows;
-// the partials go through shared memory and are summed per (feature, sub-row) in slice order.
-template <int T, int U>
-DEV void linear_mxfp8_t(const FpLinearMxfp8& p, u32 total) {
-    __shared__ float part[MX_WARPS][MX_NPW][T];
-    const FpCommon& c = p.c;
-    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const u32 S = p.split == 0 ? 1 : p.split;
-    const u32 G = MX_WARPS / S, g = warp / S;
-    const u32 per_block = G * MX_NPW;
-    const float* X = fptr(p.x);
-    float* O = fptr(p.out);
-    const u32 groups = (p.k + 31) / 32;
-    const bool wvec = (p.k & 7) == 0 && (p.codes & 7) == 0;
-    u32 ka, kb;
-    slice_bounds(p.k, S, warp % S, ka, kb);
-    for (u32 nb0 = blockIdx.x * per_block; nb0 < p.n; nb0 += gridDim.x * per_block) {
-        const u32 n0 = nb0 + g * MX_NPW;
-        const u32 nm = n0 >= p.n ? 0 : (p.n - n0 < MX_NPW ? p.n - n0 : MX_NPW);
-        const u8_t* w[MX_NPW];
-        const u8_t* s[MX_NPW];
-#pragma unroll
-        for (int m = 0; m < MX_NPW; m++) {
-            const u64 row = nm == 0 ? 0 : n0 + ((u32)m < nm ? m : 0);
-            w[m] = (const u8_t*)p.codes + row * p.k;
-            s[m] = (const u8_t*)p.scales + row * groups;
-        }
-        for (u32 i0 = 0; i0 < total; i0 += T) {
-            bool ok[T];
-#pragma unroll
-            for (int t = 0; t < T; t++) ok[t] = i0 + t < total && row_ok(c, (i0 + t) / p.sub, p.gathered);
-            float res[MX_NPW][T];
-            mx_warp_dots<T, MX_NPW, U>(w, s, ka, nm, X + (u64)i0 * p.k + ka, p.k, ok, kb - ka, wvec, lane, res);
-            if (lane == 0)
-#pragma unroll
-                for (int m = 0; m < MX_NPW; m++)
-#pragma unroll
-                    for (int t = 0; t < T; t++) part[warp][m][t] = res[m][t];
-            __syncthreads();
-            for (u32 q = threadIdx.x; q < G * MX_NPW * T; q += blockDim.x) {
-                const u32 gg = q / (MX_NPW * T), m = (q / T) % MX_NPW, t = q % T;
-                const u32 n = nb0 + gg * MX_NPW + m;
-                if (n >= p.n || i0 + t >= total || !row_ok(c, (i0 + t) / p.sub, p.gathered)) continue;
-                const float v = slice_sum<T, MX_NPW>(part, gg, S, m, t);
-                float* o = O + (u64)(i0 + t) * p.n + n;
-                *o = p.accumulate ? *o + v : v;
-            }
-            __syncthreads();
-        }
+    DEV static raw_t zero() {
+        raw_t r;
+        r.c.x = r.c.y = 0u;
+        r.s = 127u;
+        return r;
     }
-}
+    DEV static void unpack(const raw_t& v, float* f) { mx_unpack8(v.c, e8m0_f32(v.s), f); }
+    DEV float at(u32 kk) const { return mx_value(codes[k0 + kk], e8m0_f32(scales[(k0 + kk) / 32])); }
+    DEV Mx8Row from(u32 k) const {
+        Mx8Row r = *this;
+        r.k0 = k0 + k;
+        return r;
+    }
+};
+// An MXFP8 matrix: codes [n, k], scales [n, ceil(k / 32)].
+struct Mx8Mat {
+    const u8_t* codes;
+    const u8_t* scales;
+    u32 k;
+    typedef Mx8Row row_t;
+    DEV row_t row(u64 n) const {
+        Mx8Row r;
+        r.codes = codes + n * k;
+        r.scales = scales + n * ((k + 31) / 32);
+        r.k0 = 0;
+        return r;
+    }
+};
 
 // One entry point per row tile T (linear_mxfp8_t1 .. _t16, picked by the launch from the row count, as linear's):
 // each gets the registers its tile needs. Block of 256 threads (8 warps); grid ceil(n / (4 * 8 / split)).
 template <int T>
 DEV void linear_mxfp8_entry(const FpLinearMxfp8& p) {
-    const u32 total = (p.gathered ? p.c.nstreams : p.c.nstreams * p.c.window) * p.sub;
-    linear_mxfp8_t<T, 4>(p, total);
+    Mx8Mat mat;
+    mat.codes = (const u8_t*)p.codes;
+    mat.scales = (const u8_t*)p.scales;
+    mat.k = p.k;
+    const LinearArgs a = linear_args(p);
+    // 4 features per group at every tile (the launch's grid assumes it); chunks in flight as linear's.
+    const bool wvec = (p.k & 7) == 0 && (p.codes & 7) == 0;
+    const u32 total = linear_total(p.c, p.sub, p.gathered);
+    if (T <= 4)
+        linear_rows<T, 4, 4>(p.c, mat, wvec, a, total, blockIdx.x, gridDim.x);
+    else
+        linear_rows<T, 4, 2>(p.c, mat, wvec, a, total, blockIdx.x, gridDim.x);
 }
 extern "C" __global__ void linear_mxfp8_t1(const FpLinearMxfp8 p) { pdl_start(); linear_mxfp8_entry<1>(p); }
 extern "C" __global__ void linear_mxfp8_t2(const FpLinearMxfp8 p) { pdl_start(); linear_mxfp8_entry<2>(p); }
