@@ -19,14 +19,15 @@ use std::sync::Arc;
 
 use common::*;
 use flashplan_plan::{
-    CompileOptions, IoBuf, ModelConfig, PlanBody, RoundDesc, SamplingParams, StreamDesc,
-    VariantKind,
+    CompileOptions, DrafterForm, IoBuf, ModelConfig, PlanBody, RoundDesc, SamplingParams,
+    StreamDesc, VariantKind,
 };
 use flashplan_runtime::backend::Backend;
 use flashplan_runtime::checkpoint::{load_checkpoint, LoadOptions};
 use flashplan_runtime::cpu::CpuBackend;
 use flashplan_runtime::cuda::{probe_gpu, CudaBackend};
 use flashplan_runtime::engine::{Engine, EngineOptions, Event, ReplyStats, Request};
+use flashplan_runtime::mxfp8::derive_drafter_weights;
 use flashplan_runtime::sampler;
 
 type Dyn = Box<dyn Backend>;
@@ -132,6 +133,30 @@ impl Models {
             gpu: HashMap::new(),
             cpu: HashMap::new(),
         }
+    }
+
+    /// A CUDA engine with the MTP drafter in `form` (its MXFP8 copies derived by the runtime's re-coder).
+    fn gpu_engine_form(&mut self, plan_depth: u32, depth: u32, form: DrafterForm) -> Engine<Dyn> {
+        let body = self
+            .gpu
+            .entry((vec![1], plan_depth))
+            .or_insert_with(|| plan(gpu_arch(), &[1], plan_depth))
+            .clone();
+        let mut w = self.w.clone();
+        derive_drafter_weights(&body, &mut w, form);
+        let mut w_bf = w.clone();
+        for t in w_bf.iter_mut().flatten() {
+            t.iter_mut()
+                .for_each(|x| *x = half::bf16::from_f32(*x).to_f32());
+        }
+        let be = start(body, &w, &Arc::new(w_bf));
+        let opts = EngineOptions {
+            max_depth: depth,
+            parallel: 1,
+            drafter_form: form,
+            ..Default::default()
+        };
+        Engine::new(be, opts, true)
     }
 
     fn engine(&mut self, gpu: bool, streams: &[u32], plan_depth: u32, depth: u32) -> Engine<Dyn> {
@@ -501,6 +526,35 @@ fn gpu_rounds_on_the_tiny_model() {
             eq == plain_reqs.len(),
             format!(
                 "{eq}/{} replies equal (CPU with the same BF16 weights){detail}",
+                plain_reqs.len()
+            ),
+        );
+    }
+
+    // The MXFP8 drafter forms on the GPU (issue 8): every drafted reply equals the draft:false reply above.
+    for form in [DrafterForm::Mxfp8, DrafterForm::Mxfp8Head] {
+        let mut e = m.gpu_engine_form(6, 6, form);
+        let (mut eq, mut mtp_rounds, mut detail) = (0, 0u64, String::new());
+        for (i, r) in plain_reqs.iter().enumerate() {
+            let (d, st) = solo(
+                &mut e,
+                Request {
+                    draft: true,
+                    ..r.clone()
+                },
+            );
+            mtp_rounds += st.mtp_rounds as u64;
+            if d == gpu_plain[i] {
+                eq += 1;
+            } else if detail.is_empty() {
+                detail = format!("; request {i}: {}", first_diff(&d, &gpu_plain[i]));
+            }
+        }
+        rep.add(
+            &format!("drafter {}: drafted == draft:false", form.name()),
+            eq == plain_reqs.len(),
+            format!(
+                "{eq}/{} replies equal (depth 6, greedy and sampled; {mtp_rounds} MTP rounds){detail}",
                 plain_reqs.len()
             ),
         );
