@@ -265,6 +265,7 @@ pub fn engine_options(parallel: u32, max_depth: u32) -> anyhow::Result<EngineOpt
 /// Checks the environment before anything slow happens.
 pub fn check_env() -> anyhow::Result<()> {
     backend_choice()?;
+    flashplan_runtime::cuda::check_env()?;
     engine_options(1, 1).map(|_| ())
 }
 

@@ -36,3 +36,22 @@ fn unknown_env_value_refuses_to_start() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("FLASHPLAN_COPY_DRAFTS"));
 }
+
+#[test]
+fn unknown_cuda_switch_value_refuses_to_start_on_any_backend() {
+    for var in ["FLASHPLAN_PDL", "FLASHPLAN_FUSE_LINEAR"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_flashplan"))
+            .arg("demo")
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .env("FLASHPLAN_BACKEND", "cpu")
+            .env(var, "yes")
+            .output()
+            .expect("runs flashplan demo");
+        assert!(!out.status.success(), "{var}=yes was accepted");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            stderr.contains(var) && stderr.contains("expected 1"),
+            "{stderr}"
+        );
+    }
+}

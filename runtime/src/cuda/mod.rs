@@ -584,40 +584,43 @@ impl Drop for Worker {
     }
 }
 
-/// `FLASHPLAN_PDL`: `1` (default) launches every kernel as a programmatic dependent launch, `0` as a plain launch
-/// (for comparison; the results are the same).
+/// A `1`/`0` switch of the CUDA backend read from the environment (default on when unset).
 ///
 /// # Errors
-/// Any other value: [`BackendError::Device`] naming the variable and the accepted values.
-fn pdl_setting() -> Result<bool, BackendError> {
-    match std::env::var("FLASHPLAN_PDL") {
+/// Any other value: [`BackendError::Device`] naming the variable, what `1` does and the accepted values.
+fn switch_setting(name: &str, what: &str) -> Result<bool, BackendError> {
+    match std::env::var(name) {
         Err(_) => Ok(true),
         Ok(v) => match v.as_str() {
             "1" => Ok(true),
             "0" => Ok(false),
             _ => Err(BackendError::Device(format!(
-                "FLASHPLAN_PDL={v:?} is not understood: expected 1 (programmatic dependent launches, the default) or 0"
+                "{name}={v:?} is not understood: expected 1 ({what}, the default) or 0"
             ))),
         },
     }
 }
 
+/// `FLASHPLAN_PDL`: `1` (default) launches every kernel as a programmatic dependent launch, `0` as a plain launch
+/// (for comparison; the results are the same).
+fn pdl_setting() -> Result<bool, BackendError> {
+    switch_setting("FLASHPLAN_PDL", "programmatic dependent launches")
+}
+
 /// `FLASHPLAN_FUSE_LINEAR`: `1` (default) launches each run of consecutive sibling BF16 linears (same input) as one
 /// `linear_multi` (`fuse.rs`), `0` launches every node on its own (for comparison; the results are the same bits).
+fn fuse_linear_setting() -> Result<bool, BackendError> {
+    switch_setting("FLASHPLAN_FUSE_LINEAR", "fuse sibling linears")
+}
+
+/// Checks the CUDA backend's environment switches (`FLASHPLAN_PDL`, `FLASHPLAN_FUSE_LINEAR`) without a GPU, so a
+/// misspelt value refuses to start whichever backend runs.
 ///
 /// # Errors
-/// Any other value: [`BackendError::Device`] naming the variable and the accepted values.
-fn fuse_linear_setting() -> Result<bool, BackendError> {
-    match std::env::var("FLASHPLAN_FUSE_LINEAR") {
-        Err(_) => Ok(true),
-        Ok(v) => match v.as_str() {
-            "1" => Ok(true),
-            "0" => Ok(false),
-            _ => Err(BackendError::Device(format!(
-                "FLASHPLAN_FUSE_LINEAR={v:?} is not understood: expected 1 (fuse sibling linears, the default) or 0"
-            ))),
-        },
-    }
+/// [`BackendError::Device`] naming the first variable with a value other than `1` or `0`.
+pub fn check_env() -> Result<(), BackendError> {
+    pdl_setting()?;
+    fuse_linear_setting().map(|_| ())
 }
 
 impl Worker {
