@@ -714,15 +714,22 @@ fn list_floors(body: &PlanBody, kinds: &[VariantKind], state_rw: u64) {
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let arg = |k: &str| {
-        args.iter()
-            .position(|a| a == k)
-            .and_then(|i| args.get(i + 1))
-            .and_then(|v| v.parse::<u32>().ok())
+    let arg = |k: &str| -> anyhow::Result<Option<u32>> {
+        match args.iter().position(|a| a == k) {
+            None => Ok(None),
+            Some(i) => {
+                let v = args
+                    .get(i + 1)
+                    .ok_or_else(|| anyhow::anyhow!("{k}: expected a number after it"))?;
+                v.parse::<u32>()
+                    .map(Some)
+                    .map_err(|_| anyhow::anyhow!("{k} {v:?}: expected a whole number"))
+            }
+        }
     };
     let flag = |k: &str| args.iter().any(|a| a == k);
-    let layers = arg("--layers").unwrap_or(4) as usize;
-    let iters = arg("--iters").unwrap_or(200);
+    let layers = arg("--layers")?.unwrap_or(4) as usize;
+    let iters = arg("--iters")?.unwrap_or(200);
     let list = flag("--list");
     let all = flag("--all");
     let verify = all || flag("--verify");

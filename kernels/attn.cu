@@ -102,7 +102,10 @@ extern "C" __global__ void indexer_score(const FpIndexerSelect p) {
         if (nb <= p.topk || b0 >= nb) continue;
         const float* raw = state_of(c, st.slot, p.raw_keys);
         const float* pooled = state_of(c, st.slot, p.pooled);
-        const bool vec = (id & 3) == 0 && (((u64)pooled) & 15) == 0;
+        // The arithmetic depends on id only; the alignment of the slot's pooled keys picks vector or scalar loads
+        // of the same 4 values.
+        const bool vec = (id & 3) == 0;
+        const bool aligned = (((u64)pooled) & 15) == 0;
         const float* q = fptr(p.q) + (u64)r * p.ih * id;
         for (u32 i = threadIdx.x; i < p.ih * id; i += blockDim.x) qs[i] = q[i];
         __syncthreads();
@@ -125,8 +128,12 @@ extern "C" __global__ void indexer_score(const FpIndexerSelect p) {
                 for (int u = 0; u < 4; u++) {
                     const u32 d = (lane + 32 * u) * 4;
                     if ((u32)u < nch && d < id) {
-                        const float4 v4 = *(const float4*)(k + d);
-                        kv[u][0] = v4.x; kv[u][1] = v4.y; kv[u][2] = v4.z; kv[u][3] = v4.w;
+                        if (aligned || k == key[warp]) {
+                            const float4 v4 = *(const float4*)(k + d);
+                            kv[u][0] = v4.x; kv[u][1] = v4.y; kv[u][2] = v4.z; kv[u][3] = v4.w;
+                        } else {
+                            kv[u][0] = k[d]; kv[u][1] = k[d + 1]; kv[u][2] = k[d + 2]; kv[u][3] = k[d + 3];
+                        }
                     } else {
                         kv[u][0] = kv[u][1] = kv[u][2] = kv[u][3] = 0.0f;
                     }
@@ -278,7 +285,9 @@ extern "C" __global__ void sparse_attn(const FpSparseAttn p) {
         const u32* sel = uptr(p.sel) + (u64)r * p.topk;
         const float* kc = state_of(c, st.slot, p.k_cache);
         const float* vc = state_of(c, st.slot, p.v_cache);
-        const bool vec = (hd & 7) == 0 && ((((u64)kc) | (w * 4)) & 15) == 0;
+        // The arithmetic depends on hd only; the alignment of the slot's cache picks vector or scalar loads of the
+        // same 8 values.
+        const bool aligned = ((((u64)kc) | (w * 4)) & 15) == 0;
         for (u32 i = threadIdx.x; i < cnt; i += blockDim.x) {
             const u32 m = m0 + i;
             toks[i] = m < nsel * p.ratio ? sel[m / p.ratio] * p.ratio + m % p.ratio : nb * p.ratio + m - nsel * p.ratio;
@@ -287,13 +296,13 @@ extern "C" __global__ void sparse_attn(const FpSparseAttn p) {
         for (u32 i = threadIdx.x; i < G * hd; i += blockDim.x) qs[i] = q[i];
         __syncthreads();
         // Scores: warp per token. Fast path (hd <= 256, aligned): each warp loads all its tokens' keys first.
-        if (vec && hd <= 256) {
+        if ((hd & 7) == 0 && hd <= 256 && nw == ATTN_WARPS) {
             float kreg[SA_CHUNK / ATTN_WARPS][8];
 #pragma unroll
             for (int u = 0; u < SA_CHUNK / ATTN_WARPS; u++) {
                 const u32 i = warp + nw * u, d0 = lane * 8;
                 if (i < cnt && d0 < hd) {
-                    load_x8(kc + (u64)toks[i] * w + (u64)kv * hd + d0, true, kreg[u]);
+                    load_x8(kc + (u64)toks[i] * w + (u64)kv * hd + d0, aligned, kreg[u]);
                 } else {
 #pragma unroll
                     for (int e = 0; e < 8; e++) kreg[u][e] = 0.0f;

@@ -107,27 +107,6 @@ DEV void unpack8(const uint4 v, float* f) {
     }
 }
 
-// Lane's share of dot(w[0..k] bf16, x[0..k] f32): 16-byte weight loads in chunks of 8 when aligned, else scalar.
-// The order of the lane's sum depends only on k and the lane; reduce with warp_sum.
-DEV float lane_dot(const bf16_t* w, const float* x, u32 k, u32 lane) {
-    float acc = 0.0f;
-    if ((k & 7) == 0 && (((u64)w) & 15) == 0) {
-        for (u32 kk = lane * 8; kk < k; kk += 256) {
-            float f[8];
-            unpack8(*(const uint4*)(w + kk), f);
-            const float* xr = x + kk;
-            float s = f[0] * xr[0];
-#pragma unroll
-            for (int t = 1; t < 8; t++) s += f[t] * xr[t];
-            acc += s;
-        }
-    } else {
-        for (u32 kk = lane; kk < k; kk += 32) acc += bf2f(w[kk]) * x[kk];
-    }
-    return acc;
-}
-DEV float warp_dot(const bf16_t* w, const float* x, u32 k, u32 lane) { return warp_sum(lane_dot(w, x, k, lane)); }
-
 // f32 dot by a warp (both operands f32).
 DEV float warp_dot_f(const float* a, const float* b, u32 k, u32 lane) {
     float acc = 0.0f;
@@ -303,22 +282,6 @@ DEV float group8_sum(float v) {
     v += __shfl_xor_sync(FULL_MASK, v, 1);
     return v;
 }
-
-// Row-tile dispatch: calls F<T> with T the smallest of 1, 2, 4, 8, 16 covering `total` (16 beyond).
-#define DISPATCH_T(total, CALL)          \
-    do {                                 \
-        if ((total) <= 1) {              \
-            CALL(1);                     \
-        } else if ((total) <= 2) {       \
-            CALL(2);                     \
-        } else if ((total) <= 4) {       \
-            CALL(4);                     \
-        } else if ((total) <= 8) {       \
-            CALL(8);                     \
-        } else {                         \
-            CALL(16);                    \
-        }                                \
-    } while (0)
 
 // ---- Split-K over a block (linear, hc_read) ----
 // A block of SPLIT_WARPS warps = G output groups x S slices of K (G = SPLIT_WARPS / S, S in 1, 2, 4, 8, chosen by

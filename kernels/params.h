@@ -308,7 +308,7 @@ typedef struct FpIndexerPrep {
     u32 pad;
 } FpIndexerPrep;
 
-/* Scratch: scores [rows, nb_max] f32. */
+/* Scratch: scores [rows, 2 * nb_max] f32 (indexer_score writes the first nb_max of each row). */
 typedef struct FpIndexerSelect {
     FpCommon c;
     u64 q;
@@ -327,7 +327,7 @@ typedef struct FpIndexerSelect {
     float eps;
 } FpIndexerSelect;
 
-/* Scratch: scores [rows * heads, max_tokens] f32. */
+/* Scratch: per-chunk partials [rows, heads, ceil(max_tokens / 32), 2 + hd] f32 (max, exp-sum, weighted values). */
 typedef struct FpSparseAttn {
     FpCommon c;
     u64 q;

@@ -385,6 +385,33 @@ fn fixture_checks(name: &str, dir: &Path, expected: &Path, rep: &mut Report) {
         "bit-identical stream-0 rows".into(),
     );
 
+    // Row invariance across slots: the same stream in slots 0..3, whose state pieces sit at other alignments (a
+    // kernel must never pick its arithmetic from an address).
+    let mut base: Option<Vec<f32>> = None;
+    let mut identical = true;
+    for slot in 0..4u32 {
+        gpu.set_slot_state(slot, &gpu_snapshot).unwrap();
+        gpu.run(
+            VariantKind::Verify {
+                streams: 1,
+                window: w as u32,
+            },
+            &desc(&[(slot, n as u32, w as u32, &cont[..w])], w as u32),
+        )
+        .unwrap();
+        let lg = gpu.io(IoBuf::Logits)[..w * vocab].to_vec();
+        match &base {
+            None => base = Some(lg),
+            Some(b) => identical &= b.iter().zip(&lg).all(|(a, c)| a.to_bits() == c.to_bits()),
+        }
+    }
+    rep.add(
+        name,
+        "row invariance, slots 0..3 x 16 rows",
+        identical,
+        "bit-identical rows".into(),
+    );
+
     // MTP: absorb one entry at a time from the given main streams, then a chained step.
     let (_, streams) = exp.f32("mtp_streams");
     let toks = exp.ids("mtp_tokens");

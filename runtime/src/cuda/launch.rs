@@ -25,7 +25,7 @@ pub(crate) struct Addrs<'a> {
 
 /// One node's launch: kernel name, parameter bytes, grid, block; `then`: more kernels launched right after, in
 /// order, with the same parameters (ops done in phases: hc_read, router, experts, shared_expert, indexer_select,
-/// sparse_attn), each with its own (1-D) grid and block.
+/// sparse_attn, sample), each with its own (1-D) grid and block.
 pub(crate) struct LaunchSpec {
     pub kernel: &'static str,
     pub params: Vec<u8>,
@@ -470,9 +470,9 @@ pub(crate) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
             rank,
             eps,
         } => {
-            if *hc > 16 || *rank > 1024 {
+            if *hc > 16 {
                 return Err(BackendError::Device(format!(
-                    "hc_read: hc {hc} > 16 or rank {rank} > 1024 is not supported"
+                    "hc_read: {hc} hyper-connections (at most 16) is not supported"
                 )));
             }
             let gathered = v.buf(*h).elems < rows as u64 * (*dim as u64 * *hc as u64);
@@ -946,10 +946,11 @@ pub(crate) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
             dim,
             norm,
         } => {
-            if *experts > 1024 || *topk > 32 {
-                return Err(BackendError::Device(
-                    "router: more than 1024 experts or top-k above 32".into(),
-                ));
+            if *experts > 1024 || *topk > 32 || *topk == 0 || topk > experts {
+                return Err(BackendError::Device(format!(
+                    "router: {experts} experts with top-{topk} is not supported (1 <= top-k <= 32, top-k <= experts \
+                     <= 1024)"
+                )));
             }
             let p = FpRouter {
                 c,
