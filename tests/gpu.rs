@@ -336,11 +336,7 @@ fn fixture_checks(name: &str, dir: &Path, expected: &Path, rep: &mut Report) {
         .unwrap();
         let lg = gpu.io(IoBuf::Logits);
         for (j, slot) in rows_ref.iter_mut().enumerate().take(win) {
-            let row = lg[j * vocab..(j + 1) * vocab].to_vec();
-            match slot {
-                None => *slot = Some(row),
-                Some(r) => identical &= r.iter().zip(&row).all(|(a, b)| a.to_bits() == b.to_bits()),
-            }
+            identical &= same_bits_as(slot, &lg[j * vocab..(j + 1) * vocab]);
         }
     }
     rep.add(
@@ -372,11 +368,7 @@ fn fixture_checks(name: &str, dir: &Path, expected: &Path, rep: &mut Report) {
             &desc(&ss, w as u32),
         )
         .unwrap();
-        let lg = gpu.io(IoBuf::Logits)[..w * vocab].to_vec();
-        match &base {
-            None => base = Some(lg),
-            Some(b) => identical &= b.iter().zip(&lg).all(|(a, c)| a.to_bits() == c.to_bits()),
-        }
+        identical &= same_bits_as(&mut base, &gpu.io(IoBuf::Logits)[..w * vocab]);
     }
     rep.add(
         name,
@@ -399,11 +391,7 @@ fn fixture_checks(name: &str, dir: &Path, expected: &Path, rep: &mut Report) {
             &desc(&[(slot, n as u32, w as u32, &cont[..w])], w as u32),
         )
         .unwrap();
-        let lg = gpu.io(IoBuf::Logits)[..w * vocab].to_vec();
-        match &base {
-            None => base = Some(lg),
-            Some(b) => identical &= b.iter().zip(&lg).all(|(a, c)| a.to_bits() == c.to_bits()),
-        }
+        identical &= same_bits_as(&mut base, &gpu.io(IoBuf::Logits)[..w * vocab]);
     }
     rep.add(
         name,
@@ -853,4 +841,16 @@ fn runtime_and_compiler_bundle_the_same_kernels() {
         flashplan_runtime::cuda::kernel_source_hash(),
         flashplan_compiler::nvrtc::source_hash()
     );
+}
+
+/// Row invariance bookkeeping: the first call keeps `values` as the reference; later calls compare with it bit for
+/// bit.
+fn same_bits_as(reference: &mut Option<Vec<f32>>, values: &[f32]) -> bool {
+    match reference {
+        None => {
+            *reference = Some(values.to_vec());
+            true
+        }
+        Some(r) => same_bits(r, values),
+    }
 }
