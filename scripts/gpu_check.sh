@@ -4,9 +4,11 @@
 #   1. Here:            bash scripts/gpu_check.sh build
 #      builds the release GPU test binary, strips it into gpu-bin/ (ignored by git through .git/info/exclude) and
 #      compiles the kernels into the cubin cache gpu-bin/kernels (needs NVRTC: scripts/setup_nvrtc.sh).
-#   2. On the H200, through the device `run` tool, with carry ["gpu-bin"]:
-#                       bash scripts/gpu_check.sh run [all|gpu|rounds]
-#      (all: tests/gpu.rs then tests/gpu_rounds.rs; gpu or rounds: one of them)
+#   2. On the H200, through the device `run` tool, one test binary per call (the tree plus what travels must stay
+#      under the device copy limit; build makes one xz archive per binary):
+#        carry ["gpu-pack-gpu"]:         tar xJf gpu-pack-gpu/gpu.tar.xz && bash scripts/gpu_check.sh run gpu
+#        carry ["gpu-pack-gpu_rounds"]:  tar xJf gpu-pack-gpu_rounds/gpu_rounds.tar.xz && bash scripts/gpu_check.sh run rounds
+#      (run all: tests/gpu.rs then tests/gpu_rounds.rs, when both binaries are in gpu-bin/)
 #      runs the checks and prints the table (also written to $OUT/gpu-checks.md when $OUT is set).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,7 +39,21 @@ for l in sys.stdin:
     gzip -9 gpu-bin/kernels/*.cubin
     pwd >gpu-bin/build-root
     du -sh gpu-bin
-    echo "now: run(command='bash scripts/gpu_check.sh run', carry=['gpu-bin'])"
+    # gpu-bin/ with both binaries is larger than the device copy limit allows beside the tree: one xz archive per
+    # test binary (with the cubins) travels instead, gpu-pack-<test>/<test>.tar.xz.
+    for t in gpu gpu_rounds; do
+        d="gpu-pack-$t"
+        grep -qxF "/$d/" .git/info/exclude 2>/dev/null || echo "/$d/" >>.git/info/exclude
+        rm -rf "$d" /tmp/flashplan-pack-$t && mkdir -p "$d" "/tmp/flashplan-pack-$t/gpu-bin/kernels"
+        cp gpu-bin/build-root "/tmp/flashplan-pack-$t/gpu-bin/"
+        gunzip -c "gpu-bin/$t-test.gz" >"/tmp/flashplan-pack-$t/gpu-bin/$t-test"
+        chmod +x "/tmp/flashplan-pack-$t/gpu-bin/$t-test"
+        for f in gpu-bin/kernels/*.gz; do gunzip -c "$f" >"/tmp/flashplan-pack-$t/gpu-bin/kernels/$(basename "${f%.gz}")"; done
+        tar cf - -C "/tmp/flashplan-pack-$t" gpu-bin | xz -9e >"$d/$t.tar.xz"
+    done
+    du -sh gpu-pack-gpu gpu-pack-gpu_rounds
+    echo "now: run(command='tar xJf gpu-pack-gpu/gpu.tar.xz && bash scripts/gpu_check.sh run gpu', carry=['gpu-pack-gpu'])"
+    echo "and: run(command='tar xJf gpu-pack-gpu_rounds/gpu_rounds.tar.xz && bash scripts/gpu_check.sh run rounds', carry=['gpu-pack-gpu_rounds'])"
     ;;
 run)
     # The test binary finds the fixtures at the path it was built in.
