@@ -22,25 +22,11 @@ use flashplan_plan::{
 use flashplan_runtime::backend::Backend;
 use flashplan_runtime::checkpoint::{load_checkpoint, LoadOptions};
 use flashplan_runtime::cpu::CpuBackend;
-use flashplan_runtime::cuda::{probe_gpu, CudaBackend};
+use flashplan_runtime::cuda::CudaBackend;
 use flashplan_runtime::mxfp8::{self, derive_drafter_weights};
 
 const TOL: f32 = 1e-3;
 const CHUNK: u32 = 16;
-
-fn gpu_ready() -> Option<String> {
-    if std::env::var("FLASHPLAN_GPU").as_deref() != Ok("1") {
-        eprintln!("skipped: set FLASHPLAN_GPU=1 to run the GPU checks (scripts/gpu_check.sh)");
-        return None;
-    }
-    match probe_gpu() {
-        Ok(name) => Some(name),
-        Err(why) => {
-            eprintln!("skipped: {why}");
-            None
-        }
-    }
-}
 
 fn plans(dir: &Path) -> (PlanBody, PlanBody) {
     let text = std::fs::read_to_string(dir.join("config.json")).expect("config.json");

@@ -25,7 +25,7 @@ use flashplan_plan::{
 use flashplan_runtime::backend::Backend;
 use flashplan_runtime::checkpoint::{load_checkpoint, LoadOptions};
 use flashplan_runtime::cpu::CpuBackend;
-use flashplan_runtime::cuda::{probe_gpu, CudaBackend};
+use flashplan_runtime::cuda::CudaBackend;
 use flashplan_runtime::engine::{Engine, EngineOptions, Event, ReplyStats, Request};
 use flashplan_runtime::mxfp8::derive_drafter_weights;
 use flashplan_runtime::sampler;
@@ -71,21 +71,12 @@ fn start(body: PlanBody, w: &[Option<Vec<f32>>], w_bf: &Arc<Vec<Option<Vec<f32>>
     }
 }
 
-fn gpu_ready() -> Option<String> {
+/// The GPU's name when the checks run: always in a dry run, else as `common::gpu_ready`.
+fn gpu_or_dry() -> Option<String> {
     if dry() {
         return Some("none (dry run: the CPU backend stands in for the CUDA one)".into());
     }
-    if std::env::var("FLASHPLAN_GPU").as_deref() != Ok("1") {
-        eprintln!("skipped: set FLASHPLAN_GPU=1 to run the GPU checks (scripts/gpu_check.sh)");
-        return None;
-    }
-    match probe_gpu() {
-        Ok(name) => Some(name),
-        Err(why) => {
-            eprintln!("skipped: {why}");
-            None
-        }
-    }
+    gpu_ready()
 }
 
 fn dir() -> PathBuf {
@@ -200,17 +191,6 @@ fn sampled(seed: u64) -> SamplingParams {
         top_p: 0.95,
         min_p: 0.0,
         seed,
-    }
-}
-
-fn req(prompt: &[u32], max_tokens: u32, draft: bool, sampling: SamplingParams) -> Request {
-    Request {
-        prompt: prompt.to_vec(),
-        max_tokens,
-        sampling,
-        stop_token_ids: vec![],
-        ignore_eos: false,
-        draft,
     }
 }
 
@@ -460,7 +440,7 @@ fn speed(m: &mut Models, t: &tokenizers::Tokenizer, rep: &mut Report) {
 
 #[test]
 fn gpu_rounds_on_the_tiny_model() {
-    let Some(gpu_name) = gpu_ready() else {
+    let Some(gpu_name) = gpu_or_dry() else {
         return;
     };
     println!("GPU: {gpu_name}");
@@ -692,7 +672,7 @@ fn piece_diffs(body: &PlanBody, a: &[f32], b: &[f32]) -> Vec<(String, f32)> {
 /// pieces of the live slots whose GPU copy drifts from the CPU one.
 #[test]
 fn gpu_lockstep_sampled_streams() {
-    let Some(gpu_name) = gpu_ready() else {
+    let Some(gpu_name) = gpu_or_dry() else {
         return;
     };
     println!("GPU: {gpu_name} (lockstep diagnostic)");

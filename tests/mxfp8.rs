@@ -414,17 +414,6 @@ fn solo(e: &mut Engine<CpuBackend>, r: Request) -> (Vec<u32>, ReplyStats) {
     panic!("stream {id} did not finish");
 }
 
-fn req(prompt: &[u32], max_tokens: u32, draft: bool, sampling: SamplingParams) -> Request {
-    Request {
-        prompt: prompt.to_vec(),
-        max_tokens,
-        sampling,
-        stop_token_ids: vec![],
-        ignore_eos: false,
-        draft,
-    }
-}
-
 const PROMPTS: &[&str] = &[
     "def moving_average(values, window):\n    \"\"\"Return the moving average of values.\"\"\"\n    result = []\n",
     "import os\nimport sys\n\n\nclass Config:\n    def __init__(self, path):\n        self.path = path\n",

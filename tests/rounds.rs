@@ -35,17 +35,6 @@ fn encode(text: &str) -> Vec<u32> {
         .to_vec()
 }
 
-fn req(prompt: &[u32], max_tokens: u32, draft: bool, sampling: SamplingParams) -> Request {
-    Request {
-        prompt: prompt.to_vec(),
-        max_tokens,
-        sampling,
-        stop_token_ids: vec![],
-        ignore_eos: false,
-        draft,
-    }
-}
-
 /// Runs one request alone; returns its tokens, finish reason and stats.
 fn solo(e: &mut Engine<CpuBackend>, r: Request) -> (Vec<u32>, FinishReason, ReplyStats) {
     let id = e.submit(r).expect("submit");

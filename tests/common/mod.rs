@@ -124,12 +124,37 @@ pub fn stream_request(
     } else {
         flashplan_plan::SamplingParams::greedy()
     };
+    req(prompt, 20 + (i as u32 * 7) % 17, true, sampling)
+}
+
+/// A request with no stop tokens that stops at eos.
+pub fn req(
+    prompt: &[u32],
+    max_tokens: u32,
+    draft: bool,
+    sampling: flashplan_plan::SamplingParams,
+) -> flashplan_runtime::engine::Request {
     flashplan_runtime::engine::Request {
         prompt: prompt.to_vec(),
-        max_tokens: 20 + (i as u32 * 7) % 17,
+        max_tokens,
         sampling,
         stop_token_ids: vec![],
         ignore_eos: false,
-        draft: true,
+        draft,
+    }
+}
+
+/// The GPU's name when the GPU checks run (`FLASHPLAN_GPU=1` and a usable GPU); otherwise prints why they skip.
+pub fn gpu_ready() -> Option<String> {
+    if std::env::var("FLASHPLAN_GPU").as_deref() != Ok("1") {
+        eprintln!("skipped: set FLASHPLAN_GPU=1 to run the GPU checks (scripts/gpu_check.sh)");
+        return None;
+    }
+    match flashplan_runtime::cuda::probe_gpu() {
+        Ok(name) => Some(name),
+        Err(why) => {
+            eprintln!("skipped: {why}");
+            None
+        }
     }
 }
