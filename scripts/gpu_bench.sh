@@ -17,19 +17,9 @@ build)
     cp target/release/examples/gpu_bench gpu-bin/gpu-bench
     strip gpu-bin/gpu-bench
     gzip -9f gpu-bin/gpu-bench
-    # What travels: gpu-pack/gpu-bin.tar (the issue-4 checks, the bench and the cubins; the working tree plus the
+    # What travels: gpu-pack/gpu-bin.tar.xz (the issue-4 checks, the bench and the cubins; the working tree plus the
     # carried files must stay under the device copy limit). The run command unpacks it first.
-    mkdir -p gpu-pack
-    grep -qxF '/gpu-pack/' .git/info/exclude 2>/dev/null || echo '/gpu-pack/' >>.git/info/exclude
-    # One xz archive of the uncompressed files (about half the size of the gzipped ones).
-    rm -rf gpu-pack/* /tmp/flashplan-pack && mkdir -p /tmp/flashplan-pack/gpu-bin/kernels
-    cp gpu-bin/build-root /tmp/flashplan-pack/gpu-bin/
-    for f in gpu-test gpu-bench; do
-        gunzip -c "gpu-bin/$f.gz" >"/tmp/flashplan-pack/gpu-bin/$f"
-        chmod +x "/tmp/flashplan-pack/gpu-bin/$f"
-    done
-    for f in gpu-bin/kernels/*.gz; do gunzip -c "$f" >"/tmp/flashplan-pack/gpu-bin/kernels/$(basename "${f%.gz}")"; done
-    tar cf - -C /tmp/flashplan-pack gpu-bin | xz -9e >gpu-pack/gpu-bin.tar.xz
+    bash scripts/gpu_check.sh pack gpu-pack gpu-bin.tar.xz gpu-test gpu-bench
     du -sh gpu-pack
     echo "now: run(command='tar xJf gpu-pack/gpu-bin.tar.xz && bash scripts/gpu_bench.sh run', carry=['gpu-pack'])"
     ;;
@@ -42,14 +32,7 @@ run)
         grep -E '^\||^GPU:|^test result|panicked|FAIL' /tmp/checks.out || tail -30 /tmp/checks.out
         echo "gpu checks exit status: $rc"
     fi
-    kc=/tmp/flashplan-kernels
-    rm -rf "$kc" && mkdir -p "$kc"
-    for f in gpu-bin/kernels/*; do
-        case "$f" in
-        *.gz) gunzip -c "$f" >"$kc/$(basename "${f%.gz}")" ;;
-        *) cp "$f" "$kc/" ;;
-        esac
-    done
+    kc=$(bash scripts/gpu_check.sh unpack-kernels)
     if [ -f gpu-bin/gpu-bench.gz ]; then
         gunzip -c gpu-bin/gpu-bench.gz >/tmp/gpu-bench
     else

@@ -13,7 +13,48 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode="${1:-build}"
+
+# pack DIR ARCHIVE NAME...: DIR/ARCHIVE, one xz archive of gpu-bin/build-root, the named gzipped binaries of gpu-bin/
+# (uncompressed, executable) and the cubins (xz of the raw files is about half the gzipped size); DIR is ignored by
+# git through .git/info/exclude. Used here and by scripts/gpu_bench.sh.
+pack() {
+    local dir="$1" archive="$2" tmp
+    shift 2
+    grep -qxF "/$dir/" .git/info/exclude 2>/dev/null || echo "/$dir/" >>.git/info/exclude
+    tmp=$(mktemp -d)
+    mkdir -p "$tmp/gpu-bin/kernels"
+    cp gpu-bin/build-root "$tmp/gpu-bin/"
+    for f in "$@"; do
+        gunzip -c "gpu-bin/$f.gz" >"$tmp/gpu-bin/$f"
+        chmod +x "$tmp/gpu-bin/$f"
+    done
+    for f in gpu-bin/kernels/*.gz; do gunzip -c "$f" >"$tmp/gpu-bin/kernels/$(basename "${f%.gz}")"; done
+    rm -rf "$dir" && mkdir -p "$dir"
+    tar cf - -C "$tmp" gpu-bin | xz -9e >"$dir/$archive"
+    rm -rf "$tmp"
+}
+
+# unpack_kernels: the cubin cache of gpu-bin/kernels (gzipped or not) in /tmp/flashplan-kernels, its path printed.
+unpack_kernels() {
+    local kc=/tmp/flashplan-kernels f
+    rm -rf "$kc" && mkdir -p "$kc"
+    for f in gpu-bin/kernels/*; do
+        case "$f" in
+        *.gz) gunzip -c "$f" >"$kc/$(basename "${f%.gz}")" ;;
+        *) cp "$f" "$kc/" ;;
+        esac
+    done
+    echo "$kc"
+}
+
 case "$mode" in
+pack)
+    shift
+    pack "$@"
+    ;;
+unpack-kernels)
+    unpack_kernels
+    ;;
 build)
     grep -qxF '/gpu-bin/' .git/info/exclude 2>/dev/null || echo '/gpu-bin/' >>.git/info/exclude
     if ! ldconfig -p 2>/dev/null | grep -q libnvrtc.so.13 && [[ "${LD_LIBRARY_PATH:-}" != *cu13* ]]; then
@@ -41,16 +82,7 @@ for l in sys.stdin:
     du -sh gpu-bin
     # gpu-bin/ with both binaries is larger than the device copy limit allows beside the tree: one xz archive per
     # test binary (with the cubins) travels instead, gpu-pack-<test>/<test>.tar.xz.
-    for t in gpu gpu_rounds; do
-        d="gpu-pack-$t"
-        grep -qxF "/$d/" .git/info/exclude 2>/dev/null || echo "/$d/" >>.git/info/exclude
-        rm -rf "$d" /tmp/flashplan-pack-$t && mkdir -p "$d" "/tmp/flashplan-pack-$t/gpu-bin/kernels"
-        cp gpu-bin/build-root "/tmp/flashplan-pack-$t/gpu-bin/"
-        gunzip -c "gpu-bin/$t-test.gz" >"/tmp/flashplan-pack-$t/gpu-bin/$t-test"
-        chmod +x "/tmp/flashplan-pack-$t/gpu-bin/$t-test"
-        for f in gpu-bin/kernels/*.gz; do gunzip -c "$f" >"/tmp/flashplan-pack-$t/gpu-bin/kernels/$(basename "${f%.gz}")"; done
-        tar cf - -C "/tmp/flashplan-pack-$t" gpu-bin | xz -9e >"$d/$t.tar.xz"
-    done
+    for t in gpu gpu_rounds; do pack "gpu-pack-$t" "$t.tar.xz" "$t-test"; done
     du -sh gpu-pack-gpu gpu-pack-gpu_rounds
     echo "now: run(command='tar xJf gpu-pack-gpu/gpu.tar.xz && bash scripts/gpu_check.sh run gpu', carry=['gpu-pack-gpu'])"
     echo "and: run(command='tar xJf gpu-pack-gpu_rounds/gpu_rounds.tar.xz && bash scripts/gpu_check.sh run rounds', carry=['gpu-pack-gpu_rounds'])"
@@ -62,15 +94,8 @@ run)
         mkdir -p "$(dirname "$built")"
         ln -s "$PWD" "$built"
     fi
-    # The cubin cache travels gzipped: unpack it where the tests read it.
-    kc=/tmp/flashplan-kernels
-    rm -rf "$kc" && mkdir -p "$kc"
-    for f in gpu-bin/kernels/*; do
-        case "$f" in
-        *.gz) gunzip -c "$f" >"$kc/$(basename "${f%.gz}")" ;;
-        *) cp "$f" "$kc/" ;;
-        esac
-    done
+    # The cubin cache travels compressed: unpack it where the tests read it.
+    kc=$(unpack_kernels)
     export FLASHPLAN_GPU=1 FLASHPLAN_KERNEL_CACHE="$kc"
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
     # Which checks: all (default), gpu (issue 4) or rounds (issues 5 and 6).
@@ -102,7 +127,7 @@ run)
     exit "$rc"
     ;;
 *)
-    echo "usage: $0 build|run" >&2
+    echo "usage: $0 build|run [all|gpu|rounds]|pack DIR ARCHIVE NAME...|unpack-kernels" >&2
     exit 2
     ;;
 esac
