@@ -35,6 +35,16 @@ pub(crate) struct LaunchSpec {
 }
 
 impl LaunchSpec {
+    /// A launch of `kernel` over `grid` blocks of `block` threads (1-D blocks), with no follow-ups yet.
+    fn new(kernel: &'static str, params: Vec<u8>, grid: (u32, u32, u32), block: u32) -> LaunchSpec {
+        LaunchSpec {
+            kernel,
+            params,
+            grid,
+            block: (block, 1, 1),
+            then: Vec::new(),
+        }
+    }
     fn then(mut self, kernel: &'static str, grid: u32, block: u32) -> LaunchSpec {
         self.then.push((kernel, grid.max(1), block));
         self
@@ -208,13 +218,12 @@ fn linear_mxfp8(p: &FpLinear, scales: u64, total: u32, grid: u32) -> LaunchSpec 
         gathered: p.gathered,
         split: p.split,
     };
-    LaunchSpec {
-        kernel: by_rows(LINEAR_MXFP8, total),
-        params: bytes(&m),
-        grid: (grid.max(1), 1, 1),
-        block: (256, 1, 1),
-        then: Vec::new(),
-    }
+    LaunchSpec::new(
+        by_rows(LINEAR_MXFP8, total),
+        bytes(&m),
+        (grid.max(1), 1, 1),
+        256,
+    )
 }
 
 /// A `Linear` node's parameters, its launch's row count (sub-rows: `total`) and output features per block of
@@ -296,13 +305,12 @@ fn linear_multi(a: &Addrs, v: &Variant, ops: &[&Op]) -> Result<LaunchSpec, Backe
         grid += m.blocks[i];
         total = t;
     }
-    Ok(LaunchSpec {
-        kernel: by_rows(LINEAR_MULTI, total),
-        params: bytes(&m),
-        grid: (grid, 1, 1),
-        block: (256, 1, 1),
-        then: Vec::new(),
-    })
+    Ok(LaunchSpec::new(
+        by_rows(LINEAR_MULTI, total),
+        bytes(&m),
+        (grid, 1, 1),
+        256,
+    ))
 }
 
 /// Launch specs of a variant, one entry per node in node order. With `fuse_linears`, each run of sibling linears
@@ -339,12 +347,8 @@ pub(crate) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
     let (streams, window) = v.kind.shape();
     let rows = streams * window;
     let c = a.common;
-    let one = |kernel, params, grid: u32, block: u32| LaunchSpec {
-        kernel,
-        params,
-        grid: (grid.max(1), 1, 1),
-        block: (block, 1, 1),
-        then: Vec::new(),
+    let one = |kernel, params, grid: u32, block: u32| {
+        LaunchSpec::new(kernel, params, (grid.max(1), 1, 1), block)
     };
     let half = a.rope_cfg.inv_freq.len() as u32;
     let af = a.rope_cfg.attention_factor;
@@ -595,13 +599,7 @@ pub(crate) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
                 eps: *eps,
                 pad: 0,
             };
-            LaunchSpec {
-                kernel: "ple_mix",
-                params: bytes(&p),
-                grid: (streams, p.hc, 1),
-                block: (256, 1, 1),
-                then: Vec::new(),
-            }
+            LaunchSpec::new("ple_mix", bytes(&p), (streams, p.hc, 1), 256)
         }
         Op::PleCommit {
             history,
@@ -622,13 +620,12 @@ pub(crate) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
                 tail_len: (a.st_elems(*tail) / *width as u64) as u32,
                 pad: 0,
             };
-            LaunchSpec {
-                kernel: "ple_commit",
-                params: bytes(&p),
-                grid: (streams, p.width.div_ceil(256), 1),
-                block: (256, 1, 1),
-                then: Vec::new(),
-            }
+            LaunchSpec::new(
+                "ple_commit",
+                bytes(&p),
+                (streams, p.width.div_ceil(256), 1),
+                256,
+            )
         }
         Op::GdnConv {
             x,
@@ -683,13 +680,7 @@ pub(crate) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
                 dk: *dk,
                 dv: *dv,
             };
-            LaunchSpec {
-                kernel: "gdn_recur",
-                params: bytes(&p),
-                grid: (*hv, streams, dv.div_ceil(32)),
-                block: (128, 1, 1),
-                then: Vec::new(),
-            }
+            LaunchSpec::new("gdn_recur", bytes(&p), (*hv, streams, dv.div_ceil(32)), 128)
         }
         Op::GdnCommit {
             stash,
@@ -718,13 +709,12 @@ pub(crate) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
                 channels: *channels,
                 kernel: *kernel,
             };
-            LaunchSpec {
-                kernel: "gdn_commit",
-                params: bytes(&p),
-                grid: (*hv, streams, dv.div_ceil(32)),
-                block: (128, 1, 1),
-                then: Vec::new(),
-            }
+            LaunchSpec::new(
+                "gdn_commit",
+                bytes(&p),
+                (*hv, streams, dv.div_ceil(32)),
+                128,
+            )
         }
         Op::GatedNorm {
             x,
@@ -855,14 +845,11 @@ pub(crate) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
                 )));
             }
             let chunks = p.nb_max.div_ceil(16);
-            LaunchSpec {
-                kernel: "indexer_score",
-                params: bytes(&p),
-                grid: (rows, chunks, 1),
-                block: (256, 1, 1),
-                then: Vec::new(),
-            }
-            .then("indexer_select", rows, 1024)
+            LaunchSpec::new("indexer_score", bytes(&p), (rows, chunks, 1), 256).then(
+                "indexer_select",
+                rows,
+                1024,
+            )
         }
         Op::SparseAttn {
             q,
@@ -901,14 +888,11 @@ pub(crate) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
                     p.max_tokens
                 )));
             }
-            LaunchSpec {
-                kernel: "sparse_attn",
-                params: bytes(&p),
-                grid: (rows, *kv_heads, nsplit),
-                block: (256, 1, 1),
-                then: Vec::new(),
-            }
-            .then("sparse_attn_combine", rows * heads, 256)
+            LaunchSpec::new("sparse_attn", bytes(&p), (rows, *kv_heads, nsplit), 256).then(
+                "sparse_attn_combine",
+                rows * heads,
+                256,
+            )
         }
         Op::IndexerCommit {
             raw_keys,
@@ -1049,14 +1033,8 @@ pub(crate) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
                 mode,
                 vocab: *vocab,
             };
-            LaunchSpec {
-                kernel: "sample_part",
-                params: bytes(&p),
-                grid: (items, SAMPLE_PARTS, 1),
-                block: (256, 1, 1),
-                then: Vec::new(),
-            }
-            .then("sample", items, 1024)
+            LaunchSpec::new("sample_part", bytes(&p), (items, SAMPLE_PARTS, 1), 256)
+                .then("sample", items, 1024)
         }
         Op::KeepCount { sampled, keep } => {
             let p = FpKeepCount {
