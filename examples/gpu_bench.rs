@@ -59,8 +59,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use flashplan_plan::{
-    CompileOptions, DrafterForm, LayerKind, ModelConfig, Op, PlanBody, RoundDesc, SamplingParams,
-    Space, StateKind, StreamDesc, VariantKind, WeightGroup,
+    CompileOptions, DrafterForm, LayerKind, ModelConfig, Op, PlanBody, RoundDesc, Space, StateKind,
+    StreamDesc, VariantKind, WeightGroup,
 };
 use flashplan_runtime::backend::Backend;
 use flashplan_runtime::cuda::{BenchResult, CudaBackend};
@@ -280,14 +280,7 @@ fn desc_streams(streams: u32, window: u32, pos: u32, seed: u64) -> RoundDesc {
         .collect();
     RoundDesc {
         streams: (0..streams)
-            .map(|i| StreamDesc {
-                slot: i,
-                pos,
-                rows: window,
-                committed: pos,
-                src_row: 0,
-                sampling: SamplingParams::greedy(),
-            })
+            .map(|i| StreamDesc::greedy_at(i, pos, window))
             .collect(),
         tokens,
     }
@@ -295,17 +288,7 @@ fn desc_streams(streams: u32, window: u32, pos: u32, seed: u64) -> RoundDesc {
 
 /// An MTP step of one stream on slot 0: one entry at `pos` with the next token, input row 0 of its source.
 fn desc_mtp(pos: u32, token: u32) -> RoundDesc {
-    RoundDesc {
-        streams: vec![StreamDesc {
-            slot: 0,
-            pos,
-            rows: 1,
-            committed: pos,
-            src_row: 0,
-            sampling: SamplingParams::greedy(),
-        }],
-        tokens: vec![token],
-    }
+    RoundDesc::single(pos, 1, &[token], 1)
 }
 
 /// How a weight's bytes are counted.

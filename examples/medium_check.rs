@@ -29,10 +29,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
-use flashplan_plan::{
-    CompileOptions, DrafterForm, IoBuf, ModelConfig, RoundDesc, SamplingParams, StreamDesc,
-    VariantKind,
-};
+use flashplan_plan::{CompileOptions, DrafterForm, IoBuf, ModelConfig, RoundDesc, VariantKind};
 use flashplan_runtime::backend::Backend;
 use flashplan_runtime::checkpoint::{load_checkpoint, LoadOptions};
 use flashplan_runtime::cpu::CpuBackend;
@@ -206,19 +203,7 @@ impl Cmp {
 }
 
 fn desc(pos: u32, rows: u32, toks: &[u32], window: u32) -> RoundDesc {
-    let mut tokens = toks.to_vec();
-    tokens.resize(window as usize, 0);
-    RoundDesc {
-        streams: vec![StreamDesc {
-            slot: 0,
-            pos,
-            rows,
-            committed: pos,
-            src_row: 0,
-            sampling: SamplingParams::greedy(),
-        }],
-        tokens,
-    }
+    RoundDesc::single(pos, rows, toks, window)
 }
 
 /// The report: markdown rows, and whether every check passed.

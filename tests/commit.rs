@@ -7,9 +7,7 @@
 mod common;
 
 use common::*;
-use flashplan_plan::{
-    IoBuf, PlanBody, RoundDesc, SamplingParams, StateKind, StreamDesc, VariantKind,
-};
+use flashplan_plan::{IoBuf, PlanBody, RoundDesc, StateKind, StreamDesc, VariantKind};
 use flashplan_runtime::backend::Backend;
 use flashplan_runtime::cpu::CpuBackend;
 
@@ -23,14 +21,7 @@ fn setup(chunk: u32) -> (CpuBackend, Vec<u32>) {
 }
 
 fn sd(pos: u32, rows: u32) -> StreamDesc {
-    StreamDesc {
-        slot: 0,
-        pos,
-        rows,
-        committed: pos,
-        src_row: 0,
-        sampling: SamplingParams::greedy(),
-    }
+    StreamDesc::greedy_at(0, pos, rows)
 }
 
 /// Prefills `prompt` in chunks of the plan's chunk size; returns the first sampled token.

@@ -5,25 +5,13 @@
 mod common;
 
 use common::*;
-use flashplan_plan::{IoBuf, RoundDesc, SamplingParams, StreamDesc, VariantKind};
+use flashplan_plan::{IoBuf, RoundDesc, VariantKind};
 use flashplan_runtime::backend::Backend;
 
 const TOL: f32 = 1e-4;
 
 fn desc1(pos: u32, rows: u32, window: u32, tokens: &[u32]) -> RoundDesc {
-    let mut t = tokens.to_vec();
-    t.resize(window as usize, 0);
-    RoundDesc {
-        streams: vec![StreamDesc {
-            slot: 0,
-            pos,
-            rows,
-            committed: pos,
-            src_row: 0,
-            sampling: SamplingParams::greedy(),
-        }],
-        tokens: t,
-    }
+    RoundDesc::single(pos, rows, tokens, window)
 }
 
 fn check_rows(what: &str, got: &[f32], want: &[f32], v: usize) {

@@ -16,8 +16,7 @@ use std::sync::Arc;
 
 use common::*;
 use flashplan_plan::{
-    CompileOptions, DrafterForm, IoBuf, ModelConfig, PlanBody, RoundDesc, SamplingParams,
-    StreamDesc, VariantKind,
+    CompileOptions, DrafterForm, IoBuf, ModelConfig, PlanBody, RoundDesc, StreamDesc, VariantKind,
 };
 use flashplan_runtime::backend::Backend;
 use flashplan_runtime::checkpoint::{load_checkpoint, LoadOptions};
@@ -55,14 +54,7 @@ fn desc(streams: &[(u32, u32, u32, &[u32])], window: u32) -> RoundDesc {
         let mut t = toks.to_vec();
         t.resize(window as usize, 0);
         tokens.extend(t);
-        sd.push(StreamDesc {
-            slot,
-            pos,
-            rows,
-            committed: pos,
-            src_row: 0,
-            sampling: SamplingParams::greedy(),
-        });
+        sd.push(StreamDesc::greedy_at(slot, pos, rows));
     }
     RoundDesc {
         streams: sd,

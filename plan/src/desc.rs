@@ -103,3 +103,31 @@ pub struct RoundDesc {
     /// token of each entry), padding rows set to 0.
     pub tokens: Vec<u32>,
 }
+
+impl StreamDesc {
+    /// A greedy stream in `slot` whose context before `pos` is all committed (`committed = pos`), reading input row 0
+    /// of an MTP source: the usual stream of a single replay in tests, benchmarks and tools.
+    pub fn greedy_at(slot: u32, pos: u32, rows: u32) -> StreamDesc {
+        StreamDesc {
+            slot,
+            pos,
+            rows,
+            committed: pos,
+            src_row: 0,
+            sampling: SamplingParams::greedy(),
+        }
+    }
+}
+
+impl RoundDesc {
+    /// One greedy stream in slot 0 ([`StreamDesc::greedy_at`]) with `rows` real rows: `tokens` padded with 0 to the
+    /// variant's `window` rows.
+    pub fn single(pos: u32, rows: u32, tokens: &[u32], window: u32) -> RoundDesc {
+        let mut t = tokens.to_vec();
+        t.resize(window as usize, 0);
+        RoundDesc {
+            streams: vec![StreamDesc::greedy_at(0, pos, rows)],
+            tokens: t,
+        }
+    }
+}
