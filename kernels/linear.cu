@@ -1,28 +1,15 @@
-// linear: out[i, n] (+)= sum_k x[i, k] * w[n, k] with BF16 weights; the body is linear.cuh's `linear_rows`.
+// linear: out[i, n] (+)= sum_k x[i, k] * w[n, k] with BF16 weights on tensor cores; the body is linear.cuh's
+// `linear_tc_rows`. One entry point per row tile T (linear_t1 .. linear_t16, picked by the launch from the row
+// count): each gets the registers its tile needs.
 #include "linear.cuh"
 
-template <int T, int LIN_NPW, int U>
-DEV void linear_t(const FpLinear& p, u32 total, u32 block, u32 nblocks) {
-    Bf16Mat mat;
-    mat.w = (const bf16_t*)p.w;
-    mat.k = p.k;
-    const bool wvec = (p.k & 7) == 0 && (p.w & 15) == 0;
-    linear_rows<T, LIN_NPW, U>(p.c, mat, wvec, linear_args(p), total, block, nblocks);
-}
-
-// One entry point per row tile T (linear_t1 .. linear_t16, picked by the launch from the row count): each gets the
-// registers its tile needs, so small tiles keep their occupancy.
+// The tensor-core body (linear.cuh `linear_tc_rows`): K in S = `tc_split(K)` slices (runtime/src/cuda/launch.rs),
+// one m-tile of 16 features per warp, U = 4 steps of 32 weights in flight per lane.
 template <int T>
 DEV void linear_entry(const FpLinear& p, u32 block, u32 nblocks) {
     const u32 total = linear_total(p.c, p.sub, p.gathered);
-    // Features per warp and chunks in flight per tile (neither changes a row's arithmetic): 2 features for one or
-    // two rows (fewer registers, more warps resident), 4 beyond (x reused over more weight rows).
-    if (T <= 2)
-        linear_t<T, 2, 4>(p, total, block, nblocks);
-    else if (T <= 4)
-        linear_t<T, 4, 4>(p, total, block, nblocks);
-    else
-        linear_t<T, 4, 2>(p, total, block, nblocks);
+    const bool wvec = (p.k & 7) == 0 && (p.w & 15) == 0;
+    linear_tc_rows<T, 4>(p.c, (const bf16_t*)p.w, wvec, linear_args(p), total, block, nblocks);
 }
 extern "C" __global__ void linear_t1(const FpLinear p) { pdl_start(); linear_entry<1>(p, blockIdx.x, gridDim.x); }
 extern "C" __global__ void linear_t2(const FpLinear p) { pdl_start(); linear_entry<2>(p, blockIdx.x, gridDim.x); }

@@ -83,3 +83,166 @@ DEV void linear_rows(const FpCommon& c, const Mat& mat, bool wvec, const LinearA
 DEV u32 linear_total(const FpCommon& c, u32 sub, u32 gathered) {
     return (gathered ? c.nstreams : c.nstreams * c.window) * sub;
 }
+
+// ---- Tensor-core body of the BF16 linear (linear.cu's linear and linear_multi) ----
+// out[i, n] (+)= sum_k x[i, k] * w[n, k] with mma.sync m16n8k16 (BF16 x BF16 -> f32). The f32 activation is split
+// exactly into three BF16 terms x = hi + mid + lo (`split3`: truncations of the f32 bits; every remainder is exact
+// in f32), so every product w * term is exact and the sum is f32 accumulation in the tensor core's fixed order.
+// A warp owns one m-tile of 16 output features and one slice of K (S slices from K alone, steps of 32 values); the
+// 8 rows of an n-tile are the 8 columns of the MMA, so a row's arithmetic is the same in every column, every tile
+// (a lone row runs in column 0 with 7 zero columns) and every launch: row invariance. Per step lane (g = lane / 4,
+// q = lane % 4) loads the 8 weights at k = 32 step + 8 q of feature rows g and g + 8 (two 16-byte loads) and the
+// same 8 activations of row g of each n-tile; MMA h (0, 1) takes the weight pairs 4h .. 4h + 3 of those 8 (logical
+// k 2q, 2q + 1, 2q + 8, 2q + 9), so the K permutation inside a step is the same for weights and activations. Each
+// term has its own accumulator; per (feature, row) the value is (hi + mid) + lo, then the S slices in slice order.
+
+// D += A B for one m16n8k16 BF16 MMA (A: 4 registers of 2 BF16, B: 2 registers; f32 accumulators).
+DEV void mma_bf16_16816(float (&d)[4], const u32 a0, const u32 a1, const u32 a2, const u32 a3, const u32 b0,
+                        const u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// x = h + m + l exactly, each BF16-exact: h = x with its low 16 bits cleared, m likewise of r = x - h (exact), and
+// l = r - m (exact, at most 8 significant bits).
+DEV void split3(const float x, float& h, float& m, float& l) {
+    h = __uint_as_float(__float_as_uint(x) & 0xffff0000u);
+    const float r = x - h;
+    m = __uint_as_float(__float_as_uint(r) & 0xffff0000u);
+    l = r - m;
+}
+// Two BF16-exact f32 values as one BF16x2 register (a in the low half: the lower k).
+DEV u32 pack_bf16x2(const float a, const float b) { return __byte_perm(__float_as_uint(a), __float_as_uint(b), 0x7632); }
+
+// Eight BF16 weights at kk .. kk + 7 of a row of K (zeros past K); a 16-byte streaming load when `wvec` and whole.
+DEV uint4 load_w8(const bf16_t* row, u32 kk, u32 K, bool wvec) {
+    if (wvec && kk + 8 <= K) return ldg_stream16_l2pf(row + kk);
+    u32 v[4];
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+        const u32 lo = kk + 2 * e < K ? (u32)row[kk + 2 * e] : 0u;
+        const u32 hi = kk + 2 * e + 1 < K ? (u32)row[kk + 2 * e + 1] : 0u;
+        v[e] = lo | (hi << 16);
+    }
+    return make_uint4(v[0], v[1], v[2], v[3]);
+}
+// Eight f32 activations at kk .. kk + 7 of a row of K (zeros past K).
+DEV void load_x8_k(const float* row, u32 kk, u32 K, bool xvec, float* x) {
+    if (xvec && kk + 8 <= K) {
+        load_x8(row + kk, true, x);
+        return;
+    }
+#pragma unroll
+    for (int e = 0; e < 8; e++) x[e] = kk + e < K ? row[kk + e] : 0.0f;
+}
+
+// The weights of steps st .. st + U - 1 (below s1) of feature rows wa and wb: lane (g, q) loads k = 32 step + 8 q.
+template <int U>
+DEV void tc_load_batch(uint4 (&wv)[U][2], const bf16_t* wa, const bf16_t* wb, u32 st, u32 s1, u32 q, u32 K,
+                       bool wvec) {
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        const u32 kk = (st + u) * 32 + q * 8;
+        const bool in = st + u < s1;
+        wv[u][0] = in ? load_w8(wa, kk, K, wvec) : zero4();
+        wv[u][1] = in ? load_w8(wb, kk, K, wvec) : zero4();
+    }
+}
+// One step of 32 values: the lane's 8 weights of rows g (wa) and g + 8 (wb) against its 8 activations x, split into
+// hi, mid and lo, each term into its own accumulator. MMA 0 takes the weight pairs (0, 1), (2, 3); MMA 1 (4, 5), (6, 7).
+DEV void tc_step(float (&acc)[3][4], const uint4& wa, const uint4& wb, const float (&x)[8]) {
+    float h[8], m[8], l[8];
+#pragma unroll
+    for (int e = 0; e < 8; e++) split3(x[e], h[e], m[e], l[e]);
+    mma_bf16_16816(acc[0], wa.x, wb.x, wa.y, wb.y, pack_bf16x2(h[0], h[1]), pack_bf16x2(h[2], h[3]));
+    mma_bf16_16816(acc[1], wa.x, wb.x, wa.y, wb.y, pack_bf16x2(m[0], m[1]), pack_bf16x2(m[2], m[3]));
+    mma_bf16_16816(acc[2], wa.x, wb.x, wa.y, wb.y, pack_bf16x2(l[0], l[1]), pack_bf16x2(l[2], l[3]));
+    mma_bf16_16816(acc[0], wa.z, wb.z, wa.w, wb.w, pack_bf16x2(h[4], h[5]), pack_bf16x2(h[6], h[7]));
+    mma_bf16_16816(acc[1], wa.z, wb.z, wa.w, wb.w, pack_bf16x2(m[4], m[5]), pack_bf16x2(m[6], m[7]));
+    mma_bf16_16816(acc[2], wa.z, wb.z, wa.w, wb.w, pack_bf16x2(l[4], l[5]), pack_bf16x2(l[6], l[7]));
+}
+
+// Blocks block, block + nblocks, ... of a launch of nblocks blocks, each (8 / S) m-tiles of 16 output features;
+// T is the row tile (1, 2, 4, 8 or 16: one or two n-tiles), U the steps of loads in flight. wvec: K % 8 == 0 and
+// the weights 16-byte aligned.
+template <int T, int U>
+DEV void linear_tc_rows(const FpCommon& c, const bf16_t* W, bool wvec, const LinearArgs& a, u32 total, u32 block,
+                        u32 nblocks) {
+    constexpr int NT = (T + 7) / 8;
+    __shared__ float part[SPLIT_WARPS][16][T];
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 g = lane >> 2, q = lane & 3;
+    const u32 S = a.split == 0 ? 1 : a.split;
+    const u32 G = SPLIT_WARPS / S, grp = warp / S, sl = warp % S;
+    const u32 per_block = G * 16;
+    const u32 steps = (a.k + 31) / 32, per = (steps + S - 1) / S;
+    const u32 s0 = sl * per < steps ? sl * per : steps;
+    const u32 s1 = s0 + per < steps ? s0 + per : steps;
+    const float* X = fptr(a.x);
+    float* O = fptr(a.out);
+    const bool xvec = ((u64)X & 15) == 0 && (a.k & 3) == 0;
+    for (u32 nb0 = block * per_block; nb0 < a.n; nb0 += nblocks * per_block) {
+        const u32 n0 = nb0 + grp * 16;
+        // Feature rows g and g + 8 of the m-tile (rows past n read row 0 and are never written).
+        const u32 ra = n0 + g, rb = n0 + g + 8;
+        const bf16_t* wa = W + (u64)(ra < a.n ? ra : 0) * a.k;
+        const bf16_t* wb = W + (u64)(rb < a.n ? rb : 0) * a.k;
+        for (u32 i0 = 0; i0 < total; i0 += T) {
+            float acc[NT][3][4];
+            bool okc[NT];
+            const float* xr[NT];
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                const u32 t = nt * 8 + g, i = i0 + t;
+                okc[nt] = t < (u32)T && i < total && row_ok(c, i / a.sub, a.gathered);
+                xr[nt] = X + (u64)(okc[nt] ? i : 0) * a.k;
+#pragma unroll
+                for (int e = 0; e < 3; e++)
+#pragma unroll
+                    for (int r = 0; r < 4; r++) acc[nt][e][r] = 0.0f;
+            }
+            // Batches of U steps: the batch's weight loads all in flight, then its MMAs.
+            for (u32 st = s0; st < s1; st += U) {
+                uint4 wv[U][2];
+                tc_load_batch<U>(wv, wa, wb, st, s1, q, a.k, wvec);
+#pragma unroll
+                for (int u = 0; u < U; u++) {
+                    if (st + u >= s1) break;
+                    const u32 kk = (st + u) * 32 + q * 8;
+#pragma unroll
+                    for (int nt = 0; nt < NT; nt++) {
+                        float x[8];
+                        if (okc[nt]) {
+                            load_x8_k(xr[nt], kk, a.k, xvec, x);
+                        } else {
+#pragma unroll
+                            for (int e = 0; e < 8; e++) x[e] = 0.0f;
+                        }
+                        tc_step(acc[nt], wv[u][0], wv[u][1], x);
+                    }
+                }
+            }
+            // Lane holds (feature g, rows 2q, 2q + 1) and (feature g + 8, the same rows) of each n-tile.
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int r = 0; r < 4; r++) {
+                    const u32 f = g + (r >= 2 ? 8 : 0), t = nt * 8 + 2 * q + (r & 1);
+                    if (t < (u32)T) part[warp][f][t] = (acc[nt][0][r] + acc[nt][1][r]) + acc[nt][2][r];
+                }
+            __syncthreads();
+            for (u32 idx = threadIdx.x; idx < G * 16 * T; idx += blockDim.x) {
+                const u32 gg = idx / (16 * T), f = (idx / T) % 16, t = idx % T;
+                const u32 n = nb0 + gg * 16 + f, i = i0 + t;
+                if (n >= a.n || i >= total || !row_ok(c, i / a.sub, a.gathered)) continue;
+                float v = 0.0f;
+                for (u32 s = 0; s < S; s++) v += part[gg * S + s][f][t];
+                float* o = O + (u64)i * a.n + n;
+                *o = a.accumulate ? *o + v : v;
+            }
+            __syncthreads();
+        }
+    }
+}

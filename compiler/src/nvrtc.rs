@@ -49,7 +49,8 @@ pub enum NvrtcError {
     },
 }
 
-/// Entry points a module source exports: every `extern "C" __global__ void NAME(`.
+/// Entry points a module source exports: every `extern "C" __global__ void NAME(`, also with launch bounds
+/// (`extern "C" __global__ void __launch_bounds__(...) NAME(`).
 pub fn entry_points(src: &str) -> Vec<String> {
     let mut out = Vec::new();
     for line in src.lines() {
@@ -57,6 +58,12 @@ pub fn entry_points(src: &str) -> Vec<String> {
             .trim_start()
             .strip_prefix("extern \"C\" __global__ void ")
         {
+            let rest = match rest.strip_prefix("__launch_bounds__(") {
+                Some(r) => r
+                    .split_once(')')
+                    .map_or("", |(_, after)| after.trim_start()),
+                None => rest,
+            };
             if let Some(name) = rest.split('(').next() {
                 out.push(name.trim().to_string());
             }
@@ -201,6 +208,14 @@ fn compile_one(name: &str, src: &str, arch: &str) -> Result<Vec<u8>, NvrtcError>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn entry_points_read_names_with_and_without_launch_bounds() {
+        let src = "extern \"C\" __global__ void plain(const P p) {}\n\
+                   extern \"C\" __global__ void __launch_bounds__(256, 2) bounded(const P p) {}\n\
+                   DEV void helper(const P p) {}\n";
+        assert_eq!(entry_points(src), ["plain", "bounded"]);
+    }
 
     #[test]
     fn every_kernel_entry_point_is_bundled() {

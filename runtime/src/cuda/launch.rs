@@ -193,6 +193,17 @@ pub(crate) fn k_split(k: u32) -> u32 {
         .unwrap_or(8)
 }
 
+/// Slices of K for the tensor-core linear (`linear_tc_rows` in `kernels/linear.cuh`): K runs in steps of 32 values;
+/// the fewest of 1, 2, 4, 8 slices that leave each warp at most 8 steps (two batches of 4 steps in flight). A
+/// function of K alone, so every row count sums in the same order (row invariance).
+pub(crate) fn tc_split(k: u32) -> u32 {
+    let steps = k.div_ceil(32);
+    [1, 2, 4, 8]
+        .into_iter()
+        .find(|s| steps.div_ceil(*s) <= 8)
+        .unwrap_or(8)
+}
+
 /// `linear_mxfp8` entry points per row tile (kernels/mxfp8.cu).
 const LINEAR_MXFP8: ByRows = [
     "linear_mxfp8_t1",
@@ -227,8 +238,8 @@ fn linear_mxfp8(p: &FpLinear, scales: u64, total: u32, grid: u32) -> LaunchSpec 
 }
 
 /// A `Linear` node's parameters, its launch's row count (sub-rows: `total`) and output features per block of
-/// `linear` (a block of 8 warps: 8 / split groups of 2 features for one or two rows, 4 beyond, each over split
-/// slices of K).
+/// `linear` (kernels/linear.cuh `linear_tc_rows`: a block of 8 warps = 8 / split m-tiles of 16 features, each over
+/// `split` = [`tc_split`] slices of K).
 fn linear_params(a: &Addrs, v: &Variant, op: &Op) -> Result<(FpLinear, u32, u32), BackendError> {
     let Op::Linear {
         x,
@@ -257,10 +268,10 @@ fn linear_params(a: &Addrs, v: &Variant, op: &Op) -> Result<(FpLinear, u32, u32)
         sub: *sub,
         accumulate: *accumulate as u32,
         gathered: gathered as u32,
-        split: k_split(*k),
+        split: tc_split(*k),
     };
     let total = if gathered { streams } else { streams * window } * *sub;
-    let per_block = if total <= 2 { 2 } else { 4 } * (8 / p.split);
+    let per_block = 16 * (8 / p.split);
     Ok((p, total, per_block))
 }
 
@@ -434,7 +445,11 @@ pub(crate) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
             let (p, total, per_block) = linear_params(a, v, op)?;
             match a.mxfp8_scales.get(w.0 as usize) {
                 Some(&scales) if scales != 0 => {
-                    // linear_mxfp8 keeps 4 features per group at every tile.
+                    // linear_mxfp8 splits K as the other split-K kernels and keeps 4 features per group.
+                    let p = FpLinear {
+                        split: k_split(p.k),
+                        ..p
+                    };
                     linear_mxfp8(&p, scales, total, n.div_ceil(4 * (8 / p.split)))
                 }
                 _ => one(
