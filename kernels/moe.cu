@@ -1,6 +1,8 @@
-// Mixture of experts, each op in two launches (the runtime launches both for one node):
-// - router (logits of every row into scratch [rows, experts], warp per MOE_NPW experts, all rows) then router_topk
-//   (block per row: softmax, top-k by rank counting, lowest index on ties, renormalised in rank order);
+// Mixture of experts, each op in two launches (the runtime launches both for one node), the router in one:
+// - router (logits of every row into scratch [rows, experts], warp per MOE_NPW experts, all rows); its last block
+//   to finish (integer count in the node's `done` counter) does the top-k of every row, warp per row (softmax,
+//   repeated argmax with the lowest index on ties, renormalised in rank order). With done == 0 (FLASHPLAN_FUSE_SMALL=0)
+//   router_topk does the same as a second launch (block per row, radix select): the same values bit for bit;
 // - experts (warp per (row, rank, pair of intermediate features): silu(gate x) * up x into scratch) then
 //   experts_down (warp per (row, output feature): four groups of 8 lanes take the ranks, summed in rank order);
 // - shared_expert (warp per intermediate feature, all rows; the sigmoid gate by one more warp) then
@@ -43,10 +45,112 @@ DEV void router_t(const FpRouter& p, u32 R) {
     }
 }
 
+// Router block size of router_topk (the softmax's block trees): router_topk_warp reproduces its sums over it.
+#define ROUTER_TOPK_THREADS 1024
+
+// A load from L2 (not L1): values other blocks of this launch wrote (after the fences of the last-block count).
+DEV float ld_cg(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// (key, id) ranks before (bk, bi): key descending, id ascending.
+DEV bool topk_before(u32 key, u32 id, u32 bk, u32 bi) { return key > bk || (key == bk && id < bi); }
+
+// The top-k of row r by one warp, bit for bit the values of router_topk (block of ROUTER_TOPK_THREADS threads,
+// thread e = expert e): lane l holds experts e = 32 j + l (j < NE, NE * 32 >= experts), so register j of the warp is
+// router_topk's warp j. max: warp_max of each j, then fmaxf over j = 0 .. 31 in order from j = 0 (router_topk's
+// block_max; the warps past the experts give -inf). z: warp_sum of each j (router_topk's warp trees), summed in j
+// order from 0.0f (block_sum; its warps past NE add exact zeros, omitted). p = expf(v - m) / z as there. Selection:
+// topk rounds of the lane-local best (key = bits of p, as router_topk's radix keys: p >= +0 orders as u32) then a
+// 5-step xor-shuffle argmax of (key, id), key descending, id ascending: the repeated argmax that router_topk's
+// radix select and ranks give. Rank t is kept by lane t; weights p / (0.0f + p_0 + p_1 + ...) in rank order.
+template <int NE>
+DEV void router_topk_warp(const FpRouter& p, u32 r, u32 lane) {
+    const u32 E = p.experts;
+    const float* L = fptr(p.c.scratch) + (u64)r * E;
+    float v[NE];
+#pragma unroll
+    for (int j = 0; j < NE; j++) {
+        const u32 e = 32u * j + lane;
+        v[j] = e < E ? ld_cg(L + e) : -INFINITY;
+    }
+    float m = warp_max(v[0]);
+#pragma unroll
+    for (int j = 1; j < ROUTER_TOPK_THREADS / 32; j++) m = fmaxf(m, j < NE ? warp_max(v[j]) : -INFINITY);
+    float ev[NE];
+#pragma unroll
+    for (int j = 0; j < NE; j++) ev[j] = 32u * j + lane < E ? expf(v[j] - m) : 0.0f;
+    float z = 0.0f;
+#pragma unroll
+    for (int j = 0; j < NE; j++) z += warp_sum(ev[j]);
+    u32 key[NE];
+#pragma unroll
+    for (int j = 0; j < NE; j++) key[j] = __float_as_uint(ev[j] / z);
+    u32 taken = 0, my_id = 0;
+    float my_p = 0.0f;
+    for (u32 t = 0; t < p.topk; t++) {
+        // No candidate left in this lane: (0, ~0) ranks after every real expert.
+        u32 bk = 0, bi = 0xffffffffu;
+#pragma unroll
+        for (int j = 0; j < NE; j++) {
+            const u32 e = 32u * j + lane;
+            if (e < E && !((taken >> j) & 1u) && topk_before(key[j], e, bk, bi)) {
+                bk = key[j];
+                bi = e;
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const u32 ok = __shfl_xor_sync(FULL_MASK, bk, o), oi = __shfl_xor_sync(FULL_MASK, bi, o);
+            if (topk_before(ok, oi, bk, bi)) {
+                bk = ok;
+                bi = oi;
+            }
+        }
+        if (bi < E && (bi & 31u) == lane) taken |= 1u << (bi >> 5);
+        if (t == lane) {
+            my_id = bi;
+            my_p = __uint_as_float(bk);
+        }
+    }
+    float sum = 0.0f;
+    for (u32 t = 0; t < p.topk; t++) sum += __shfl_sync(FULL_MASK, my_p, t);
+    if (lane < p.topk) {
+        uptr(p.ids)[(u64)r * p.topk + lane] = my_id;
+        fptr(p.weights)[(u64)r * p.topk + lane] = p.norm ? my_p / sum : my_p;
+    }
+}
+
+// After the logits (p.done != 0): the last block of the launch to finish does the top-k of every row (warp per
+// row) and resets the counter for the next launch (graph replay). Integer count only; every logit is written by
+// one warp before its block's count, so the top-k reads each final value.
+DEV void router_last_block(const FpRouter& p, u32 R) {
+    __shared__ u32 last;
+    __threadfence();  // this thread's logits, device-wide, before the block's count
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(uptr(p.done), 1u) == gridDim.x - 1 ? 1u : 0u;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();  // every other block counted after its fence: their logits are visible from here
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (u32 r = warp; r < R; r += nw) {
+        if (!row_ok(p.c, r, false)) continue;
+        if (p.experts <= 16 * 32)
+            router_topk_warp<16>(p, r, lane);
+        else
+            router_topk_warp<32>(p, r, lane);
+    }
+    if (threadIdx.x == 0) atomicExch(uptr(p.done), 0u);
+}
+
 // Entry points per row tile (router_t1 .. router_t16; the launch picks one from the row count).
 template <int T>
 DEV void router_entry(const FpRouter& p) {
-    router_t<T>(p, p.c.nstreams * p.c.window);
+    const u32 R = p.c.nstreams * p.c.window;
+    router_t<T>(p, R);
+    if (p.done) router_last_block(p, R);
 }
 extern "C" __global__ void router_t1(const FpRouter p) { pdl_start(); router_entry<1>(p); }
 extern "C" __global__ void router_t2(const FpRouter p) { pdl_start(); router_entry<2>(p); }
@@ -54,7 +158,7 @@ extern "C" __global__ void router_t4(const FpRouter p) { pdl_start(); router_ent
 extern "C" __global__ void router_t8(const FpRouter p) { pdl_start(); router_entry<8>(p); }
 extern "C" __global__ void router_t16(const FpRouter p) { pdl_start(); router_entry<16>(p); }
 
-// Block per row over the logits in scratch, thread per expert: p = softmax (block max and block sum, fixed trees);
+// Block per row (ROUTER_TOPK_THREADS threads) over the logits in scratch, thread per expert: p = softmax (block max and block sum, fixed trees);
 // the top-k by (p descending, id ascending), as repeated argmax with lowest-id ties: radix select of the k-th
 // largest p (p >= +0, so its bits order as u32), the experts above it and the lowest-id ones equal to it, then
 // each chosen expert's rank among the chosen. Weights p / (sum of the top-k p in rank order) when normalised.

@@ -144,6 +144,8 @@ typedef struct FpAddBroadcast {
 } FpAddBroadcast;
 
 /* inject = 0: no inject weights (inj is then unused). */
+/* hc_read. fold: 1 when hc_read computes Hn itself from h (and writes it to scratch for hc_read_mix), 0 when
+ * hc_norm wrote it in a launch of its own. */
 typedef struct FpHcRead {
     FpCommon c;
     u64 h;
@@ -158,7 +160,7 @@ typedef struct FpHcRead {
     u32 rank;
     u32 gathered;
     float eps;
-    u32 pad;
+    u32 fold;
 } FpHcRead;
 
 typedef struct FpHcWrite {
@@ -359,12 +361,15 @@ typedef struct FpIndexerCommit {
     u32 pad;
 } FpIndexerCommit;
 
+/* Router. done: 0 when router_topk follows as its own launch; else the node's own u32 counter in device memory
+ * (zero between launches): the logits launch's last block does the top-k of every row and resets it. */
 typedef struct FpRouter {
     FpCommon c;
     u64 x;
     u64 gate;
     u64 ids;
     u64 weights;
+    u64 done;
     u32 experts;
     u32 topk;
     u32 dim;

@@ -39,7 +39,11 @@ fn unknown_env_value_refuses_to_start() {
 
 #[test]
 fn unknown_cuda_switch_value_refuses_to_start_on_any_backend() {
-    for var in ["FLASHPLAN_PDL", "FLASHPLAN_FUSE_LINEAR"] {
+    for var in [
+        "FLASHPLAN_PDL",
+        "FLASHPLAN_FUSE_LINEAR",
+        "FLASHPLAN_FUSE_SMALL",
+    ] {
         let out = Command::new(env!("CARGO_BIN_EXE_flashplan"))
             .arg("demo")
             .current_dir(env!("CARGO_MANIFEST_DIR"))

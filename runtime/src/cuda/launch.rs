@@ -21,11 +21,18 @@ pub(crate) struct Addrs<'a> {
     pub common: FpCommon,
     pub rope: u64,
     pub rope_cfg: &'a Rope,
+    /// This variant's node counters: one u32 per node of the variant (node i at `counters + 4 i`), zeroed at
+    /// allocation; a kernel that uses its node's counter leaves it 0 at the end of every launch (graph replays).
+    pub counters: u64,
+    /// Fewer launches for the small ops (`FLASHPLAN_FUSE_SMALL`): the router in one launch up to
+    /// `ROUTER_ONE_LAUNCH_ROWS` rows (its last block does the top-k), hc_read in two at `HC_FOLD_MAX_ROWS` rows
+    /// (hc_norm folded into hc_read). Same bits either way.
+    pub fuse_small: bool,
 }
 
 /// One node's launch: kernel name, parameter bytes, grid, block; `then`: more kernels launched right after, in
-/// order, with the same parameters (ops done in phases: hc_read, router, experts, shared_expert, indexer_select,
-/// sparse_attn, sample), each with its own (1-D) grid and block.
+/// order, with the same parameters (ops done in phases: hc_read, experts, shared_expert, indexer_select, sparse_attn,
+/// sample; the router with `FLASHPLAN_FUSE_SMALL=0`), each with its own (1-D) grid and block.
 pub(crate) struct LaunchSpec {
     pub kernel: &'static str,
     pub params: Vec<u8>,
@@ -151,6 +158,20 @@ fn by_rows(names: ByRows, rows: u32) -> &'static str {
         _ => names[4],
     }
 }
+
+/// Block size of `router_topk` (`ROUTER_TOPK_THREADS` in `kernels/moe.cu`: the softmax's block trees, which the
+/// fused router's warp per row reproduces).
+const ROUTER_TOPK_THREADS: u32 = 1024;
+
+/// Most rows (or gathered streams) for which hc_read folds hc_norm (`FLASHPLAN_FUSE_SMALL`): each of its
+/// (rank + hc) / 2 blocks re-reads those rows of H for their norms (hc_norm's order), an extra L2 read of the rows
+/// per block, worth the saved launch only at one row (to be tuned on the GPU).
+const HC_FOLD_MAX_ROWS: u32 = 1;
+
+/// Most rows for which the router runs as one launch (`FLASHPLAN_FUSE_SMALL`): its last block's 8 warps do the
+/// top-k of every row, about 1.5 us per row per warp, so beyond 2 rows per warp the block-per-row `router_topk`
+/// launch is faster.
+const ROUTER_ONE_LAUNCH_ROWS: u32 = 16;
 
 /// Vocabulary slices of `sample_part` (`SAMPLE_PARTS` in `kernels/sample.cu`).
 const SAMPLE_PARTS: u32 = 64;
@@ -336,14 +357,15 @@ pub(crate) fn specs(
         return v
             .nodes
             .iter()
-            .map(|n| spec(a, v, &n.op).map(Some))
+            .enumerate()
+            .map(|(i, n)| spec(a, v, i, &n.op).map(Some))
             .collect();
     }
     let mxfp8 = |w: WeightId| a.mxfp8_scales.get(w.0 as usize).is_some_and(|&s| s != 0);
     let mut out = Vec::with_capacity(v.nodes.len());
     for g in fuse::launch_groups(v, mxfp8) {
         if g.len() == 1 {
-            out.push(Some(spec(a, v, &v.nodes[g.start].op)?));
+            out.push(Some(spec(a, v, g.start, &v.nodes[g.start].op)?));
         } else {
             let ops: Vec<&Op> = v.nodes[g.clone()].iter().map(|n| &n.op).collect();
             out.push(Some(linear_multi(a, v, &ops)?));
@@ -353,8 +375,13 @@ pub(crate) fn specs(
     Ok(out)
 }
 
-/// Parameters and launch shape of one node.
-pub(crate) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, BackendError> {
+/// Parameters and launch shape of node `node` (index in the variant; its counter is at `a.counters + 4 node`).
+pub(crate) fn spec(
+    a: &Addrs,
+    v: &Variant,
+    node: usize,
+    op: &Op,
+) -> Result<LaunchSpec, BackendError> {
     let (streams, window) = v.kind.shape();
     let rows = streams * window;
     let c = a.common;
@@ -513,13 +540,28 @@ pub(crate) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
                 rank: *rank,
                 gathered: gathered as u32,
                 eps: *eps,
-                pad: 0,
+                fold: 0,
             };
             let outs = *rank + if p.inject != 0 { *hc } else { 0 };
             let nrows = if gathered { streams } else { rows };
-            one("hc_norm", bytes(&p), nrows * *hc, 256)
-                .then(by_rows(HC_READ, nrows), outs.div_ceil(2), 256)
-                .then(by_rows(HC_READ_MIX, nrows), dim.div_ceil(8), 256)
+            // Every hc_read block re-reads the rows of H for their norms, so folding pays only for few rows.
+            let fold = a.fuse_small && nrows <= HC_FOLD_MAX_ROWS;
+            let p = FpHcRead {
+                fold: fold as u32,
+                ..p
+            };
+            if fold {
+                // hc_read normalises H itself (every block its row tiles' 1 / rms, hc_norm's order) and writes Hn.
+                one(by_rows(HC_READ, nrows), bytes(&p), outs.div_ceil(2), 256).then(
+                    by_rows(HC_READ_MIX, nrows),
+                    dim.div_ceil(8),
+                    256,
+                )
+            } else {
+                one("hc_norm", bytes(&p), nrows * *hc, 256)
+                    .then(by_rows(HC_READ, nrows), outs.div_ceil(2), 256)
+                    .then(by_rows(HC_READ_MIX, nrows), dim.div_ceil(8), 256)
+            }
         }
         Op::HcWrite { h, y, inj, dim, hc } => {
             let p = FpHcWrite {
@@ -951,22 +993,32 @@ pub(crate) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
                      <= 1024)"
                 )));
             }
+            // One launch up to ROUTER_ONE_LAUNCH_ROWS rows (the last block's 8 warps do every row's top-k); beyond,
+            // router_topk's block per row (the same bits).
+            let one_launch = a.fuse_small && rows <= ROUTER_ONE_LAUNCH_ROWS;
             let p = FpRouter {
                 c,
                 x: a.buf(v, *x),
                 gate: a.w(*gate)?,
                 ids: a.buf(v, *ids),
                 weights: a.buf(v, *weights),
+                done: if one_launch {
+                    a.counters + 4 * node as u64
+                } else {
+                    0
+                },
                 experts: *experts,
                 topk: *topk,
                 dim: *dim,
                 norm: *norm as u32,
             };
-            one(by_rows(ROUTER, rows), bytes(&p), experts.div_ceil(16), 256).then(
-                "router_topk",
-                rows,
-                1024,
-            )
+            let logits = one(by_rows(ROUTER, rows), bytes(&p), experts.div_ceil(16), 256);
+            if one_launch {
+                // The logits launch's last block does the top-k (warp per row), counting in the node's counter.
+                logits
+            } else {
+                logits.then("router_topk", rows, ROUTER_TOPK_THREADS)
+            }
         }
         Op::Experts {
             x,

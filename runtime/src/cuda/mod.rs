@@ -580,6 +580,11 @@ struct Worker {
     slots: DevBuf,
     desc: DevBuf,
     scratch: DevBuf,
+    /// Node counters (`launch::Addrs::counters`): one zeroed u32 per node of every variant, variant i's from
+    /// `counter_base[i]`.
+    #[allow(dead_code)] // held for its allocation (counter_base points into it)
+    counters: DevBuf,
+    counter_base: Vec<u64>,
     rope: DevBuf,
     staging: Pinned,
     funcs: HashMap<String, sys::CUfunction>,
@@ -587,6 +592,8 @@ struct Worker {
     pdl: bool,
     /// Launch runs of sibling linears as one `linear_multi` (`FLASHPLAN_FUSE_LINEAR`, default on).
     fuse_linear: bool,
+    /// The router in one launch and hc_read in two (`FLASHPLAN_FUSE_SMALL`, default on).
+    fuse_small: bool,
     modules: Vec<sys::CUmodule>,
     rope_cfg: Rope,
     stream: Arc<CudaStream>,
@@ -633,14 +640,25 @@ fn fuse_linear_setting() -> Result<bool, BackendError> {
     switch_setting("FLASHPLAN_FUSE_LINEAR", "fuse sibling linears")
 }
 
-/// Checks the CUDA backend's environment switches (`FLASHPLAN_PDL`, `FLASHPLAN_FUSE_LINEAR`) without a GPU, so a
-/// misspelt value refuses to start whichever backend runs.
+/// `FLASHPLAN_FUSE_SMALL`: `1` (default) launches the router as one kernel (the logits launch's last block does the
+/// top-k) and hc_read as two (hc_norm folded into hc_read); `0` launches router_topk and hc_norm on their own (for
+/// comparison; the results are the same bits).
+fn fuse_small_setting() -> Result<bool, BackendError> {
+    switch_setting(
+        "FLASHPLAN_FUSE_SMALL",
+        "fewer launches for the router and hc_read",
+    )
+}
+
+/// Checks the CUDA backend's environment switches (`FLASHPLAN_PDL`, `FLASHPLAN_FUSE_LINEAR`,
+/// `FLASHPLAN_FUSE_SMALL`) without a GPU, so a misspelt value refuses to start whichever backend runs.
 ///
 /// # Errors
 /// [`BackendError::Device`] naming the first variable with a value other than `1` or `0`.
 pub fn check_env() -> Result<(), BackendError> {
     pdl_setting()?;
-    fuse_linear_setting().map(|_| ())
+    fuse_linear_setting()?;
+    fuse_small_setting().map(|_| ())
 }
 
 impl Worker {
@@ -651,6 +669,7 @@ impl Worker {
     ) -> Result<Worker, BackendError> {
         let pdl = pdl_setting()?;
         let fuse_linear = fuse_linear_setting()?;
+        let fuse_small = fuse_small_setting()?;
         let ctx = CudaContext::new(0).map_err(dev_err("CUDA context"))?;
         ctx.bind_to_thread().map_err(dev_err("bind context"))?;
         // SAFETY: this backend never uses cudarc's tracked slices, only raw allocations.
@@ -728,6 +747,18 @@ impl Worker {
             }
         }
         let scratch = DevBuf::new(scratch as usize * 4)?;
+        // One u32 counter per node of every variant, zeroed here (before any graph is captured); the kernels that
+        // count in theirs leave it 0 after every launch.
+        let mut counter_base = Vec::with_capacity(body.variants.len());
+        let mut counter_elems = 0usize;
+        for v in &body.variants {
+            counter_base.push(counter_elems as u64 * 4);
+            counter_elems += v.nodes.len();
+        }
+        let counters = DevBuf::new(counter_elems.max(1) * 4)?;
+        for b in &mut counter_base {
+            *b += counters.ptr;
+        }
         let rope_cfg = Rope::new(&body.config);
         let rope = DevBuf::new(rope_cfg.inv_freq.len() * 4)?;
         // SAFETY: inside the allocation.
@@ -745,11 +776,14 @@ impl Worker {
             slots,
             desc,
             scratch,
+            counters,
+            counter_base,
             rope,
             staging,
             funcs,
             pdl,
             fuse_linear,
+            fuse_small,
             modules,
             rope_cfg,
             stream,
@@ -822,6 +856,8 @@ impl Worker {
             common,
             rope: self.rope.ptr,
             rope_cfg: &self.rope_cfg,
+            counters: self.counter_base[i],
+            fuse_small: self.fuse_small,
         };
         launch::specs(&a, v, self.fuse_linear)
     }
