@@ -214,33 +214,21 @@ struct Bf16Row {
     }
 };
 
-// The activations of warp_dots_rows as stored f32 rows: row t at X + t * xs. load8(t, kk, x): the 8 values at
-// kk .. kk+7 of row t (vector loads when `vec`); at(t, kk): one value. Other sources (hc_read's on-the-fly norm,
-// kernels/norm.cu) provide the same members.
-struct PlainX {
-    const float* X;
-    u64 xs;
-    bool vec;
-    DEV void load8(int t, u32 kk, float* x) const { load_x8(X + (u64)t * xs + kk, vec, x); }
-    DEV float at(int t, u32 kk) const { return X[(u64)t * xs + kk]; }
-};
-
 // res[m][t] = dot(w[m][0..K), X[t * xs ..][0..K)) for NPW weight rows (m < nm) and T activation rows (ok[t]), by
 // one warp. Vector path (K % 8 == 0, rows aligned for their loads: `wvec`): lane l takes the chunks of 8 at
 // l*8 + 256 j, U chunks of every weight row in flight at a time; per (m, t) the lane sums its chunks in ascending k
 // (dot8 each), then a fixed warp tree. The arithmetic of one (m, t) never depends on T, NPW, U, nm or the other
-// rows (row invariance), nor on the weight format beyond the values it decodes. warp_dots_xl reads the activations
-// through `xl` (PlainX, or another source of the same values: the same arithmetic on them); warp_dots_rows (below)
-// reads stored rows.
-template <int T, int NPW, int U, class Row, class XL>
-DEV void warp_dots_xl(const Row* w, u32 nm, const XL& xl, const bool* ok, u32 K, bool wvec, u32 lane,
-                      float (&res)[NPW][T]) {
+// rows (row invariance), nor on the weight format beyond the values it decodes.
+template <int T, int NPW, int U, class Row>
+DEV void warp_dots_rows(const Row* w, u32 nm, const float* X, u64 xs, const bool* ok, u32 K, bool wvec, u32 lane,
+                        float (&res)[NPW][T]) {
     float acc[NPW][T];
 #pragma unroll
     for (int m = 0; m < NPW; m++)
 #pragma unroll
         for (int t = 0; t < T; t++) acc[m][t] = 0.0f;
     if (wvec) {
+        const bool xvec = ((((u64)X) | (xs * 4)) & 15) == 0;
         for (u32 kb = lane * 8; kb < K; kb += 256 * U) {
             typename Row::raw_t wv[U][NPW];
 #pragma unroll
@@ -261,7 +249,7 @@ DEV void warp_dots_xl(const Row* w, u32 nm, const XL& xl, const bool* ok, u32 K,
                     for (int t = 0; t < T; t++) {
                         if (!ok[t]) continue;
                         float x[8];
-                        xl.load8(t, kk, x);
+                        load_x8(X + (u64)t * xs + kk, xvec, x);
 #pragma unroll
                         for (int m = 0; m < NPW; m++) acc[m][t] += dot8(f[m], x);
                     }
@@ -276,7 +264,7 @@ DEV void warp_dots_xl(const Row* w, u32 nm, const XL& xl, const bool* ok, u32 K,
                 const float wv = w[m].at(kk);
 #pragma unroll
                 for (int t = 0; t < T; t++)
-                    if (ok[t]) acc[m][t] = fmaf(wv, xl.at(t, kk), acc[m][t]);
+                    if (ok[t]) acc[m][t] = fmaf(wv, X[(u64)t * xs + kk], acc[m][t]);
             }
         }
     }
@@ -284,16 +272,6 @@ DEV void warp_dots_xl(const Row* w, u32 nm, const XL& xl, const bool* ok, u32 K,
     for (int m = 0; m < NPW; m++)
 #pragma unroll
         for (int t = 0; t < T; t++) res[m][t] = warp_sum(acc[m][t]);
-}
-// warp_dots_xl over stored f32 rows X (row t at X + t * xs).
-template <int T, int NPW, int U, class Row>
-DEV void warp_dots_rows(const Row* w, u32 nm, const float* X, u64 xs, const bool* ok, u32 K, bool wvec, u32 lane,
-                        float (&res)[NPW][T]) {
-    PlainX xl;
-    xl.X = X;
-    xl.xs = xs;
-    xl.vec = ((((u64)X) | (xs * 4)) & 15) == 0;
-    warp_dots_xl<T, NPW, U>(w, nm, xl, ok, K, wvec, lane, res);
 }
 // warp_dots_rows over BF16 rows given by their first weights.
 template <int T, int NPW, int U>

@@ -51,14 +51,11 @@ extern "C" __global__ void gated_norm(const FpGatedNorm p) {
     }
 }
 
-// Hyper-connection read in two launches (one node), three with FLASHPLAN_FUSE_SMALL=0 (fold == 0).
-// Hn = grouped RMSNorm(H, hc_norm) (groups of dim);
+// Hyper-connection read in three launches (one node). Hn = grouped RMSNorm(H, hc_norm) (groups of dim);
 // lo = silu(W_down Hn / C), inj[c] = 2 sigmoid(W_inj[c] . Hn / C), a[d] = mean_c sigmoid(W_up lo)[c*D+d] * Hn[c*D+d].
-// - hc_norm (fold == 0 only): block per (row, hyper-connection): Hn into scratch [rows, C*D];
+// - hc_norm: block per (row, hyper-connection): Hn into scratch [rows, C*D];
 // - hc_read: split-K block dots (common.cuh `slice_dots`) of HC_NPW outputs of [W_down; W_inj] per block over Hn,
-//   every row; lo into scratch [rows, rank] after Hn. With fold, every block first computes the 1 / rms of each
-//   (row, group) of its row tile in hc_norm's order (hc_ss_part per thread, warp trees, warps in order: block_sum),
-//   reads Hn = H * inv * (1 + w) as hc_norm computes it (HcNormX), and writes its share of Hn to scratch;
+//   every row; lo into scratch [rows, rank] after Hn;
 // - hc_read_mix: warp per output d, lane group g (8 lanes) per hyper-connection c = g, g + 4, ...: sigmoid(up . lo)
 //   times Hn, summed over c in order; each lane has all its up chunks in flight at once.
 #define HC_NPW 2
@@ -66,30 +63,6 @@ extern "C" __global__ void gated_norm(const FpGatedNorm p) {
 DEV u32 hc_rows(const FpHcRead& p) { return p.gathered ? p.c.nstreams : p.c.nstreams * p.c.window; }
 
 #define HCN_PER 16
-// This thread's part of the sum of squares of one group x[0 .. dim) (a block of 256 threads): x[i]^2 for
-// i = threadIdx.x + blockDim.x u in u order (every load in flight at once when dim <= HCN_PER * blockDim.x; the
-// trailing zeros add nothing). hc_norm and the folding hc_read both use it: the same bits.
-DEV float hc_ss_part(const FpHcRead& p, const float* x) {
-    float ss = 0.0f;
-    if (p.dim <= HCN_PER * blockDim.x) {
-        float xv[HCN_PER];
-#pragma unroll
-        for (int u = 0; u < HCN_PER; u++) {
-            const u32 i = threadIdx.x + blockDim.x * u;
-            xv[u] = i < p.dim ? x[i] : 0.0f;
-        }
-#pragma unroll
-        for (int u = 0; u < HCN_PER; u++) ss += xv[u] * xv[u];
-    } else {
-        for (u32 i = threadIdx.x; i < p.dim; i += blockDim.x) ss += x[i] * x[i];
-    }
-    return ss;
-}
-// 1 / rms of a group from its block sum of squares.
-DEV float hc_inv(const FpHcRead& p, float ss) { return 1.0f / sqrtf(ss / (float)p.dim + p.eps); }
-// One value of Hn: h * inv * (1 + w), w the norm weight of element k of the row (k = c * dim + i).
-DEV float hc_hn(const FpHcRead& p, float h, float inv, u32 k) { return h * inv * (1.0f + bfw(p.norm, k)); }
-
 extern "C" __global__ void hc_norm(const FpHcRead p) {
     pdl_start();
     __shared__ float sh[32];
@@ -101,84 +74,40 @@ extern "C" __global__ void hc_norm(const FpHcRead p) {
         if (!row_ok(c, r, p.gathered)) continue;
         const float* x = fptr(p.h) + (u64)r * W + (u64)cc * p.dim;
         float* y = hn + (u64)r * W + (u64)cc * p.dim;
-        const float inv = hc_inv(p, block_sum(hc_ss_part(p, x), sh));
-        for (u32 i = threadIdx.x; i < p.dim; i += blockDim.x) y[i] = hc_hn(p, x[i], inv, cc * p.dim + i);
-        __syncthreads();
-    }
-}
-
-// Hn rows of a row tile read from H (hc_read with fold): row t's element k = h[t * xs + k0 + k] * inv[t][group]
-// * (1 + norm[k0 + k]), hc_hn's arithmetic, so the dots see hc_norm's values.
-struct HcNormX {
-    const FpHcRead* p;
-    const float* h;  // row i0 of the tile, at k0
-    u64 xs;          // W
-    u32 k0;          // the slice's first k
-    bool vec;        // h rows 16-byte aligned at every chunk
-    const float (*inv)[HC_MAX];
-    DEV void load8(int t, u32 kk, float* x) const {
-        float hv[8];
-        load_x8(h + (u64)t * xs + kk, vec, hv);
-        const u32 k = k0 + kk;
-        if (p->dim % 8 == 0) {
-            // A chunk of 8 (k % 8 == 0 on the vector path) lies in one group.
-            const float iv = inv[t][k / p->dim];
+        if (p.dim <= HCN_PER * blockDim.x) {
+            // Every load in flight at once: element i = threadIdx.x + blockDim.x * u.
+            float xv[HCN_PER], nv[HCN_PER];
 #pragma unroll
-            for (int e = 0; e < 8; e++) x[e] = hc_hn(*p, hv[e], iv, k + e);
+            for (int u = 0; u < HCN_PER; u++) {
+                const u32 i = threadIdx.x + blockDim.x * u;
+                xv[u] = i < p.dim ? x[i] : 0.0f;
+                nv[u] = i < p.dim ? bfw(p.norm, cc * p.dim + i) : 0.0f;
+            }
+            float ss = 0.0f;
+#pragma unroll
+            for (int u = 0; u < HCN_PER; u++) ss += xv[u] * xv[u];
+            ss = block_sum(ss, sh);
+            const float inv = 1.0f / sqrtf(ss / (float)p.dim + p.eps);
+#pragma unroll
+            for (int u = 0; u < HCN_PER; u++) {
+                const u32 i = threadIdx.x + blockDim.x * u;
+                if (i < p.dim) y[i] = xv[u] * inv * (1.0f + nv[u]);
+            }
         } else {
-#pragma unroll
-            for (int e = 0; e < 8; e++) x[e] = hc_hn(*p, hv[e], inv[t][(k + e) / p->dim], k + e);
+            float ss = 0.0f;
+            for (u32 i = threadIdx.x; i < p.dim; i += blockDim.x) ss += x[i] * x[i];
+            ss = block_sum(ss, sh);
+            const float inv = 1.0f / sqrtf(ss / (float)p.dim + p.eps);
+            for (u32 i = threadIdx.x; i < p.dim; i += blockDim.x)
+                y[i] = x[i] * inv * (1.0f + bfw(p.norm, cc * p.dim + i));
         }
-    }
-    DEV float at(int t, u32 kk) const {
-        const u32 k = k0 + kk;
-        return hc_hn(*p, h[(u64)t * xs + kk], inv[t][k / p->dim], k);
-    }
-};
-
-// fold: 1 / rms of every (row t, group) of the tile at i0 into inv[t][group] (the values hc_norm computes: each
-// group's hc_ss_part per thread, then its warp tree and the warps in order from 0.0f, as block_sum), then this
-// block's share of the tile's Hn into scratch for hc_read_mix (block b of the nb blocks that run a first output
-// group writes elements b * blockDim.x + threadIdx.x + nb * blockDim.x j). Every thread of the block calls it.
-template <int T>
-DEV void hc_fold_tile(const FpHcRead& p, u32 nrows, u32 i0, const bool* ok, bool share, u32 nb,
-                      float (*ssw)[SPLIT_WARPS], float (*inv)[HC_MAX]) {
-    const FpCommon& c = p.c;
-    const u32 W = p.dim * p.hc;
-    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-    for (int t = 0; t < T; t++) {
-        if (!ok[t]) continue;
-        for (u32 cc = 0; cc < p.hc; cc++) {
-            const float v = warp_sum(hc_ss_part(p, fptr(p.h) + (u64)(i0 + t) * W + (u64)cc * p.dim));
-            if (lane == 0) ssw[t * HC_MAX + cc][warp] = v;
-        }
-    }
-    __syncthreads();
-    for (u32 k = threadIdx.x; k < T * HC_MAX; k += blockDim.x) {
-        const u32 t = k / HC_MAX, cc = k % HC_MAX;
-        if (cc >= p.hc || i0 + t >= nrows || !row_ok(c, i0 + t, p.gathered)) continue;
-        float ss = 0.0f;
-        for (u32 i = 0; i < blockDim.x >> 5; i++) ss += ssw[k][i];
-        inv[t][cc] = hc_inv(p, ss);
-    }
-    __syncthreads();
-    if (!share) return;
-    float* hn = fptr(c.scratch);
-#pragma unroll
-    for (int t = 0; t < T; t++) {
-        if (!ok[t]) continue;
-        const u64 row = (u64)(i0 + t) * W;
-        for (u32 k = blockIdx.x * blockDim.x + threadIdx.x; k < W; k += nb * blockDim.x)
-            hn[row + k] = hc_hn(p, fptr(p.h)[row + k], inv[t][k / p.dim], k);
+        __syncthreads();
     }
 }
 
 template <int T, int U>
 DEV void hc_read_t(const FpHcRead& p, u32 nrows) {
     __shared__ float part[SPLIT_WARPS][HC_NPW][T];
-    __shared__ float ssw[T * HC_MAX][SPLIT_WARPS];
-    __shared__ float inv[T][HC_MAX];
     const FpCommon& c = p.c;
     const u32 W = p.dim * p.hc;
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -187,9 +116,6 @@ DEV void hc_read_t(const FpHcRead& p, u32 nrows) {
     const bool wvec = (W & 7) == 0 && (p.down & 15) == 0 && (p.inject & 15) == 0;
     const float* hn = fptr(c.scratch);
     float* lo = fptr(c.scratch) + (u64)nrows * W;
-    // Blocks with a first output group (they write Hn when folding).
-    const u32 groups = (nout + HC_NPW - 1) / HC_NPW;
-    const u32 nb = gridDim.x < groups ? gridDim.x : groups;
     for (u32 q0 = blockIdx.x * HC_NPW; q0 < nout; q0 += gridDim.x * HC_NPW) {
         const u32 nm = nout - q0 < HC_NPW ? nout - q0 : HC_NPW;
         const bf16_t* w[HC_NPW];
@@ -202,31 +128,7 @@ DEV void hc_read_t(const FpHcRead& p, u32 nrows) {
             bool ok[T];
 #pragma unroll
             for (int t = 0; t < T; t++) ok[t] = i0 + t < nrows && row_ok(c, i0 + t, p.gathered);
-            if (p.fold) {
-                hc_fold_tile<T>(p, nrows, i0, ok, q0 == blockIdx.x * HC_NPW, nb, ssw, inv);
-                // slice_dots over Hn read from H (HcNormX: hc_norm's values).
-                u32 ka, kb;
-                slice_bounds(W, S, warp % S, ka, kb);
-                Bf16Row ws[HC_NPW];
-#pragma unroll
-                for (int m = 0; m < HC_NPW; m++) ws[m].p = w[m] + ka;
-                HcNormX xl;
-                xl.p = &p;
-                xl.h = fptr(p.h) + (u64)i0 * W + ka;
-                xl.xs = W;
-                xl.k0 = ka;
-                xl.vec = ((((u64)xl.h) | ((u64)W * 4)) & 15) == 0;
-                xl.inv = inv;
-                float res[HC_NPW][T];
-                warp_dots_xl<T, HC_NPW, U>(ws, nm, xl, ok, kb - ka, wvec, lane, res);
-                if (lane == 0)
-#pragma unroll
-                    for (int m = 0; m < HC_NPW; m++)
-#pragma unroll
-                        for (int t = 0; t < T; t++) part[warp][m][t] = res[m][t];
-            } else {
-                slice_dots<T, HC_NPW, U>(w, nm, hn + (u64)i0 * W, W, ok, W, S, wvec, lane, warp, part);
-            }
+            slice_dots<T, HC_NPW, U>(w, nm, hn + (u64)i0 * W, W, ok, W, S, wvec, lane, warp, part);
             __syncthreads();
             for (u32 k = threadIdx.x; k < HC_NPW * T; k += blockDim.x) {
                 const u32 m = k / T, t = k % T, q = q0 + m, r = i0 + t;

@@ -144,8 +144,6 @@ typedef struct FpAddBroadcast {
 } FpAddBroadcast;
 
 /* inject = 0: no inject weights (inj is then unused). */
-/* hc_read. fold: 1 when hc_read computes Hn itself from h (and writes it to scratch for hc_read_mix), 0 when
- * hc_norm wrote it in a launch of its own. */
 typedef struct FpHcRead {
     FpCommon c;
     u64 h;
@@ -160,7 +158,7 @@ typedef struct FpHcRead {
     u32 rank;
     u32 gathered;
     float eps;
-    u32 fold;
+    u32 pad;
 } FpHcRead;
 
 typedef struct FpHcWrite {

@@ -25,8 +25,7 @@ pub(crate) struct Addrs<'a> {
     /// allocation; a kernel that uses its node's counter leaves it 0 at the end of every launch (graph replays).
     pub counters: u64,
     /// Fewer launches for the small ops (`FLASHPLAN_FUSE_SMALL`): the router in one launch up to
-    /// `ROUTER_ONE_LAUNCH_ROWS` rows (its last block does the top-k), hc_read in two at `HC_FOLD_MAX_ROWS` rows
-    /// (hc_norm folded into hc_read). Same bits either way.
+    /// `ROUTER_ONE_LAUNCH_ROWS` rows (its last block does the top-k). Same bits either way.
     pub fuse_small: bool,
 }
 
@@ -163,15 +162,11 @@ fn by_rows(names: ByRows, rows: u32) -> &'static str {
 /// fused router's warp per row reproduces).
 const ROUTER_TOPK_THREADS: u32 = 1024;
 
-/// Most rows (or gathered streams) for which hc_read folds hc_norm (`FLASHPLAN_FUSE_SMALL`): each of its
-/// (rank + hc) / 2 blocks re-reads those rows of H for their norms (hc_norm's order), an extra L2 read of the rows
-/// per block, worth the saved launch only at one row (to be tuned on the GPU).
-const HC_FOLD_MAX_ROWS: u32 = 1;
-
 /// Most rows for which the router runs as one launch (`FLASHPLAN_FUSE_SMALL`): its last block's 8 warps do the
-/// top-k of every row, about 1.5 us per row per warp, so beyond 2 rows per warp the block-per-row `router_topk`
-/// launch is faster.
-const ROUTER_ONE_LAUNCH_ROWS: u32 = 16;
+/// top-k of every row, one row per warp up to 8 rows. Measured on the H200: faster at one row (46 against 58 us
+/// for the replay's four routers), slower at 16 rows (238 against 218 us), where `router_topk`'s block per row
+/// follows instead.
+const ROUTER_ONE_LAUNCH_ROWS: u32 = 8;
 
 /// Vocabulary slices of `sample_part` (`SAMPLE_PARTS` in `kernels/sample.cu`).
 const SAMPLE_PARTS: u32 = 64;
@@ -540,28 +535,13 @@ pub(crate) fn spec(
                 rank: *rank,
                 gathered: gathered as u32,
                 eps: *eps,
-                fold: 0,
+                pad: 0,
             };
             let outs = *rank + if p.inject != 0 { *hc } else { 0 };
             let nrows = if gathered { streams } else { rows };
-            // Every hc_read block re-reads the rows of H for their norms, so folding pays only for few rows.
-            let fold = a.fuse_small && nrows <= HC_FOLD_MAX_ROWS;
-            let p = FpHcRead {
-                fold: fold as u32,
-                ..p
-            };
-            if fold {
-                // hc_read normalises H itself (every block its row tiles' 1 / rms, hc_norm's order) and writes Hn.
-                one(by_rows(HC_READ, nrows), bytes(&p), outs.div_ceil(2), 256).then(
-                    by_rows(HC_READ_MIX, nrows),
-                    dim.div_ceil(8),
-                    256,
-                )
-            } else {
-                one("hc_norm", bytes(&p), nrows * *hc, 256)
-                    .then(by_rows(HC_READ, nrows), outs.div_ceil(2), 256)
-                    .then(by_rows(HC_READ_MIX, nrows), dim.div_ceil(8), 256)
-            }
+            one("hc_norm", bytes(&p), nrows * *hc, 256)
+                .then(by_rows(HC_READ, nrows), outs.div_ceil(2), 256)
+                .then(by_rows(HC_READ_MIX, nrows), dim.div_ceil(8), 256)
         }
         Op::HcWrite { h, y, inj, dim, hc } => {
             let p = FpHcWrite {

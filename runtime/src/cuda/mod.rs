@@ -588,7 +588,7 @@ struct Worker {
     rope: DevBuf,
     staging: Pinned,
     funcs: HashMap<String, sys::CUfunction>,
-    /// Launch kernels as programmatic dependent launches (`FLASHPLAN_PDL`, default on).
+    /// Launch kernels as programmatic dependent launches (`FLASHPLAN_PDL`, default off).
     pdl: bool,
     /// Launch runs of sibling linears as one `linear_multi` (`FLASHPLAN_FUSE_LINEAR`, default on).
     fuse_linear: bool,
@@ -615,39 +615,43 @@ impl Drop for Worker {
 ///
 /// # Errors
 /// Any other value: [`BackendError::Device`] naming the variable, what `1` does and the accepted values.
-fn switch_setting(name: &str, what: &str) -> Result<bool, BackendError> {
+fn switch_setting(name: &str, what: &str, default: bool) -> Result<bool, BackendError> {
     match std::env::var(name) {
-        Err(_) => Ok(true),
+        Err(_) => Ok(default),
         Ok(v) => match v.as_str() {
             "1" => Ok(true),
             "0" => Ok(false),
-            _ => Err(BackendError::Device(format!(
-                "{name}={v:?} is not understood: expected 1 ({what}, the default) or 0"
-            ))),
+            _ => {
+                let (on, off) = if default {
+                    (" the default", "")
+                } else {
+                    ("", ", the default")
+                };
+                Err(BackendError::Device(format!(
+                    "{name}={v:?} is not understood: expected 1 ({what}{on}) or 0 (off{off})"
+                )))
+            }
         },
     }
 }
 
-/// `FLASHPLAN_PDL`: `1` (default) launches every kernel as a programmatic dependent launch, `0` as a plain launch
-/// (for comparison; the results are the same).
+/// `FLASHPLAN_PDL`: `1` launches every kernel as a programmatic dependent launch, `0` (default) as a plain launch
+/// (the results are the same). Off by default: with the tensor-core linears, one-row replays on the H200 took
+/// 1316 us with it and 1235 us without (docs/benchmarks.md).
 fn pdl_setting() -> Result<bool, BackendError> {
-    switch_setting("FLASHPLAN_PDL", "programmatic dependent launches")
+    switch_setting("FLASHPLAN_PDL", "programmatic dependent launches", false)
 }
 
 /// `FLASHPLAN_FUSE_LINEAR`: `1` (default) launches each run of consecutive sibling BF16 linears (same input) as one
 /// `linear_multi` (`fuse.rs`), `0` launches every node on its own (for comparison; the results are the same bits).
 fn fuse_linear_setting() -> Result<bool, BackendError> {
-    switch_setting("FLASHPLAN_FUSE_LINEAR", "fuse sibling linears")
+    switch_setting("FLASHPLAN_FUSE_LINEAR", "fuse sibling linears", true)
 }
 
-/// `FLASHPLAN_FUSE_SMALL`: `1` (default) launches the router as one kernel (the logits launch's last block does the
-/// top-k) and hc_read as two (hc_norm folded into hc_read); `0` launches router_topk and hc_norm on their own (for
-/// comparison; the results are the same bits).
+/// `FLASHPLAN_FUSE_SMALL`: `1` (default) launches the router as one kernel up to 8 rows (the logits launch's last
+/// block does the top-k); `0` launches router_topk on its own (for comparison; the results are the same bits).
 fn fuse_small_setting() -> Result<bool, BackendError> {
-    switch_setting(
-        "FLASHPLAN_FUSE_SMALL",
-        "fewer launches for the router and hc_read",
-    )
+    switch_setting("FLASHPLAN_FUSE_SMALL", "the router in one launch", true)
 }
 
 /// Checks the CUDA backend's environment switches (`FLASHPLAN_PDL`, `FLASHPLAN_FUSE_LINEAR`,
