@@ -29,7 +29,7 @@ DEV void router_t(const FpRouter& p, u32 R) {
 #pragma unroll
         for (int m = 0; m < MOE_NPW; m++)
             w[m] = (const bf16_t*)p.gate + (u64)(e0 + ((u32)m < nm ? m : 0)) * p.dim;
-        for (u32 i0 = 0; i0 < R; i0 += T) {
+        for (u32 i0 = blockIdx.y * T; i0 < R; i0 += gridDim.y * T) {
             bool ok[T];
 #pragma unroll
             for (int t = 0; t < T; t++) ok[t] = i0 + t < R && row_ok(c, i0 + t, false);
@@ -130,7 +130,7 @@ DEV void router_last_block(const FpRouter& p, u32 R) {
     __shared__ u32 last;
     __threadfence();  // this thread's logits, device-wide, before the block's count
     __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(uptr(p.done), 1u) == gridDim.x - 1 ? 1u : 0u;
+    if (threadIdx.x == 0) last = atomicAdd(uptr(p.done), 1u) == gridDim.x * gridDim.y - 1 ? 1u : 0u;
     __syncthreads();
     if (!last) return;
     __threadfence();  // every other block counted after its fence: their logits are visible from here
@@ -337,7 +337,7 @@ DEV void shared_t(const FpSharedExpert& p, u32 R) {
             w[0] = w[1] = (const bf16_t*)p.scale;
             nm = 1;
         }
-        for (u32 i0 = 0; i0 < R; i0 += T) {
+        for (u32 i0 = blockIdx.y * T; i0 < R; i0 += gridDim.y * T) {
             bool ok[T];
 #pragma unroll
             for (int t = 0; t < T; t++) ok[t] = i0 + t < R && row_ok(c, i0 + t, false);
@@ -380,7 +380,7 @@ DEV void shared_down_t(const FpSharedExpert& p, u32 R) {
         const u32 nm = D - d0 < 2 ? D - d0 : 2;
         const bf16_t* w[2] = {(const bf16_t*)p.down + (u64)d0 * I,
                               (const bf16_t*)p.down + (u64)(d0 + (nm > 1 ? 1 : 0)) * I};
-        for (u32 i0 = 0; i0 < R; i0 += T) {
+        for (u32 i0 = blockIdx.y * T; i0 < R; i0 += gridDim.y * T) {
             bool ok[T];
 #pragma unroll
             for (int t = 0; t < T; t++) ok[t] = i0 + t < R && row_ok(c, i0 + t, false);

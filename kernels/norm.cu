@@ -124,7 +124,7 @@ DEV void hc_read_t(const FpHcRead& p, u32 nrows) {
             const u32 q = (u32)m < nm ? q0 + m : q0;
             w[m] = q < p.rank ? (const bf16_t*)p.down + (u64)q * W : (const bf16_t*)p.inject + (u64)(q - p.rank) * W;
         }
-        for (u32 i0 = 0; i0 < nrows; i0 += T) {
+        for (u32 i0 = blockIdx.y * T; i0 < nrows; i0 += gridDim.y * T) {
             bool ok[T];
 #pragma unroll
             for (int t = 0; t < T; t++) ok[t] = i0 + t < nrows && row_ok(c, i0 + t, p.gathered);
@@ -171,7 +171,7 @@ DEV void hc_mix_t(const FpHcRead& p, u32 nrows) {
     const bool vec = (p.rank & 7) == 0 && (p.up & 15) == 0;
     const bool lvec = (p.rank & 3) == 0 && (((u64)lo) & 15) == 0;
     for (u32 d = gw; d < p.dim; d += nwarps) {
-        for (u32 i0 = 0; i0 < nrows; i0 += T) {
+        for (u32 i0 = blockIdx.y * T; i0 < nrows; i0 += gridDim.y * T) {
             bool ok[T];
 #pragma unroll
             for (int t = 0; t < T; t++) ok[t] = i0 + t < nrows && row_ok(c, i0 + t, p.gathered);

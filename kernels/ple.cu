@@ -1,7 +1,6 @@
 // PLE: ple_embed (n-gram hashing and gather), ple_mix (mixing, dilated conv, injection), ple_commit.
 #include "common.cuh"
 
-#define PLE_MAX_WINDOW 256
 
 // One block per row: thread 0 hashes the row's n-gram ids, then the block gathers the head rows.
 extern "C" __global__ void ple_embed(const FpPleEmbed p) {
@@ -48,11 +47,14 @@ extern "C" __global__ void ple_embed(const FpPleEmbed p) {
     }
 }
 
-// Block per (stream, hyper-connection group c): the group's channels only mix with themselves (the norms, the
-// gate and the causal conv are all per group), so the groups run in parallel. Phase 1 per row: one pass sums
-// |K_c|^2, |H_c|^2, |V|^2 and K_c (1 + nk) . H_c (1 + nq); then score = ik iq dot / sqrt(D),
-// sg = sigmoid(sign(s) sqrt(max(|s|, 1e-6))), G = sg v, ig = 1 / sqrt(sg^2 |V|^2 / D + eps), Gn = G ig (1 + nc)
-// -> stash. Phase 2 per row: conv over (tail, stashed Gn rows), h += G + silu(conv).
+// Two launches, each a block per (stream, hyper-connection group c, window row j): the group's channels only mix
+// with themselves (the norms, the gate and the causal conv are all per group) and each row's gate depends on that
+// row alone, so the (group, row) pairs run in parallel.
+// - ple_mix: one pass sums |K_c|^2, |H_c|^2, |V|^2 and K_c (1 + nk) . H_c (1 + nq); then score = ik iq dot / sqrt(D),
+//   sg = sigmoid(sign(s) sqrt(max(|s|, 1e-6))), ig = 1 / sqrt(sg^2 |V|^2 / D + eps), Gn = (sg v) ig (1 + nc)
+//   -> stash, sg -> scratch [rows, C];
+// - ple_mix_conv, once every row's Gn is stashed (the first launch reads h, this one updates it, so no block reads
+//   a row another has changed): conv over (tail, stashed Gn rows), h += sg v + silu(conv).
 DEV void block_sum4(float (&v)[4], float (*sh)[32]) {
 #pragma unroll
     for (int k = 0; k < 4; k++) v[k] = warp_sum(v[k]);
@@ -73,57 +75,64 @@ DEV void block_sum4(float (&v)[4], float (*sh)[32]) {
 extern "C" __global__ void ple_mix(const FpPleMix p) {
     pdl_start();
     __shared__ float sh[4][32];
-    __shared__ float sg[PLE_MAX_WINDOW];
+    const FpCommon& c = p.c;
+    const u32 D = p.dim, W = p.dim * p.hc;
+    const u32 cc = blockIdx.y, j = blockIdx.z;
+    if (cc >= p.hc) return;
+    for (u32 s = blockIdx.x; s < c.nstreams; s += gridDim.x) {
+        if (j >= stream_of(c, s).rows) continue;
+        const u64 r = (u64)s * c.window + j;
+        const float* K = fptr(p.key) + r * W + (u64)cc * D;
+        const float* H = fptr(p.h) + r * W + (u64)cc * D;
+        const float* V = fptr(p.value) + r * D;
+        float* Gn = fptr(p.stash) + r * W + (u64)cc * D;
+        float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (u32 d = threadIdx.x; d < D; d += blockDim.x) {
+            const float k = K[d], h = H[d], x = V[d];
+            v[0] += k * k;
+            v[1] += h * h;
+            v[2] += x * x;
+            v[3] += (k * (1.0f + bfw(p.norm_key, cc * D + d))) * (h * (1.0f + bfw(p.norm_query, cc * D + d)));
+        }
+        block_sum4(v, sh);
+        const float ik = 1.0f / sqrtf(v[0] / (float)D + p.eps);
+        const float iq = 1.0f / sqrtf(v[1] / (float)D + p.eps);
+        const float sc = ik * iq * v[3] / sqrtf((float)D);
+        const float sign = sc > 0.0f ? 1.0f : (sc < 0.0f ? -1.0f : 0.0f);
+        const float g = sigmoidf_(sqrtf(fmaxf(fabsf(sc), 1e-6f)) * sign);
+        const float ig = 1.0f / sqrtf(g * g * v[2] / (float)D + p.eps);
+        for (u32 d = threadIdx.x; d < D; d += blockDim.x)
+            Gn[d] = (g * V[d]) * ig * (1.0f + bfw(p.norm_conv, cc * D + d));
+        if (threadIdx.x == 0) fptr(c.scratch)[r * p.hc + cc] = g;
+        __syncthreads();
+    }
+}
+
+extern "C" __global__ void ple_mix_conv(const FpPleMix p) {
+    pdl_start();
     const FpCommon& c = p.c;
     const u32 D = p.dim, W = p.dim * p.hc;
     const u32 tail_len = (p.kernel - 1) * p.dilation;
-    const u32 cc = blockIdx.y;
+    const u32 cc = blockIdx.y, j = blockIdx.z;
     if (cc >= p.hc) return;
     for (u32 s = blockIdx.x; s < c.nstreams; s += gridDim.x) {
         const FpStream& st = stream_of(c, s);
+        if (j >= st.rows) continue;
         const float* tail = state_of(c, st.slot, p.tail);
-        for (u32 j = 0; j < st.rows; j++) {
-            const u64 r = (u64)s * c.window + j;
-            const float* K = fptr(p.key) + r * W + (u64)cc * D;
-            const float* H = fptr(p.h) + r * W + (u64)cc * D;
-            const float* V = fptr(p.value) + r * D;
-            float* Gn = fptr(p.stash) + r * W + (u64)cc * D;
-            float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            for (u32 d = threadIdx.x; d < D; d += blockDim.x) {
-                const float k = K[d], h = H[d], x = V[d];
-                v[0] += k * k;
-                v[1] += h * h;
-                v[2] += x * x;
-                v[3] += (k * (1.0f + bfw(p.norm_key, cc * D + d))) * (h * (1.0f + bfw(p.norm_query, cc * D + d)));
+        const u64 r = (u64)s * c.window + j;
+        const float g = fptr(c.scratch)[r * p.hc + cc];
+        for (u32 d = threadIdx.x; d < D; d += blockDim.x) {
+            const u32 ch = cc * D + d;
+            float acc = 0.0f;
+            for (u32 t = 0; t < p.kernel; t++) {
+                const u32 i = j + t * p.dilation;
+                const float x = i < tail_len ? tail[(u64)i * W + ch]
+                                             : fptr(p.stash)[((u64)s * c.window + i - tail_len) * W + ch];
+                acc += bfw(p.conv_w, (u64)ch * p.kernel + t) * x;
             }
-            block_sum4(v, sh);
-            const float ik = 1.0f / sqrtf(v[0] / (float)D + p.eps);
-            const float iq = 1.0f / sqrtf(v[1] / (float)D + p.eps);
-            const float sc = ik * iq * v[3] / sqrtf((float)D);
-            const float sign = sc > 0.0f ? 1.0f : (sc < 0.0f ? -1.0f : 0.0f);
-            const float g = sigmoidf_(sqrtf(fmaxf(fabsf(sc), 1e-6f)) * sign);
-            const float ig = 1.0f / sqrtf(g * g * v[2] / (float)D + p.eps);
-            for (u32 d = threadIdx.x; d < D; d += blockDim.x)
-                Gn[d] = (g * V[d]) * ig * (1.0f + bfw(p.norm_conv, cc * D + d));
-            if (threadIdx.x == 0) sg[j] = g;
+            const float G = g * fptr(p.value)[r * D + d];
+            fptr(p.h)[r * W + ch] += G + siluf_(acc);
         }
-        __syncthreads();
-        for (u32 j = 0; j < st.rows; j++) {
-            const u64 r = (u64)s * c.window + j;
-            for (u32 d = threadIdx.x; d < D; d += blockDim.x) {
-                const u32 ch = cc * D + d;
-                float acc = 0.0f;
-                for (u32 t = 0; t < p.kernel; t++) {
-                    const u32 i = j + t * p.dilation;
-                    const float x = i < tail_len ? tail[(u64)i * W + ch]
-                                                 : fptr(p.stash)[((u64)s * c.window + i - tail_len) * W + ch];
-                    acc += bfw(p.conv_w, (u64)ch * p.kernel + t) * x;
-                }
-                const float G = sg[j] * fptr(p.value)[r * D + d];
-                fptr(p.h)[r * W + ch] += G + siluf_(acc);
-            }
-        }
-        __syncthreads();
     }
 }
 

@@ -245,6 +245,7 @@ mod tests {
             "hc_write",
             "ple_embed",
             "ple_mix",
+            "ple_mix_conv",
             "ple_commit",
             "gdn_conv",
             "gdn_recur",

@@ -31,13 +31,13 @@ pub(crate) struct Addrs<'a> {
 
 /// One node's launch: kernel name, parameter bytes, grid, block; `then`: more kernels launched right after, in
 /// order, with the same parameters (ops done in phases: hc_read, experts, shared_expert, indexer_select, sparse_attn,
-/// sample; the router with `FLASHPLAN_FUSE_SMALL=0`), each with its own (1-D) grid and block.
+/// sample; the router with `FLASHPLAN_FUSE_SMALL=0`), each with its own grid and (1-D) block.
 pub(crate) struct LaunchSpec {
     pub kernel: &'static str,
     pub params: Vec<u8>,
     pub grid: (u32, u32, u32),
     pub block: (u32, u32, u32),
-    pub then: Vec<(&'static str, u32, u32)>,
+    pub then: Vec<(&'static str, (u32, u32, u32), u32)>,
 }
 
 impl LaunchSpec {
@@ -51,8 +51,12 @@ impl LaunchSpec {
             then: Vec::new(),
         }
     }
-    fn then(mut self, kernel: &'static str, grid: u32, block: u32) -> LaunchSpec {
-        self.then.push((kernel, grid.max(1), block));
+    fn then(self, kernel: &'static str, grid: u32, block: u32) -> LaunchSpec {
+        self.then_grid(kernel, (grid, 1, 1), block)
+    }
+    fn then_grid(mut self, kernel: &'static str, grid: (u32, u32, u32), block: u32) -> LaunchSpec {
+        self.then
+            .push((kernel, (grid.0.max(1), grid.1.max(1), grid.2.max(1)), block));
         self
     }
     /// Kernel launches of this node (1 + follow-ups).
@@ -148,6 +152,33 @@ const SHARED_EXPERT_DOWN: ByRows = [
 /// The entry point for a launch over `rows` rows: the smallest tile of 1, 2, 4, 8, 16 covering them (16 beyond;
 /// the kernel loops over tiles). Row invariance does not depend on the choice: a row's arithmetic is the same in
 /// every tile.
+/// The row tile of the entry point `by_rows` picks for `rows` rows.
+fn tile_of(rows: u32) -> u32 {
+    match rows {
+        0..=1 => 1,
+        2 => 2,
+        3..=4 => 4,
+        5..=8 => 8,
+        _ => 16,
+    }
+}
+
+/// Most rows per block for the kernels that also spread row tiles over blocks (`blockIdx.y`: hc_read,
+/// hc_read_mix, shared_expert, shared_expert_down, and the router's logits when router_topk follows): beyond it they take tiles of this many rows, one grid row of
+/// blocks per tile, instead of one block walking every tile (each lane's activation loads for all the rows of a
+/// tile wait in turn; the weights, at most 13 MB, are read again per tile mostly from L2). The tile never changes
+/// a row's arithmetic.
+const ROW_TILE_MAX: u32 = 4;
+
+/// Entry point and grid rows for a kernel over `rows` rows in tiles of at most [`ROW_TILE_MAX`] rows.
+fn by_row_tiles(names: ByRows, rows: u32) -> (&'static str, u32) {
+    let capped = rows.min(ROW_TILE_MAX);
+    (
+        by_rows(names, capped),
+        rows.div_ceil(tile_of(capped)).max(1),
+    )
+}
+
 fn by_rows(names: ByRows, rows: u32) -> &'static str {
     match rows {
         0..=1 => names[0],
@@ -194,6 +225,8 @@ pub(crate) fn scratch_elems(body: &PlanBody, op: &Op, rows: u64) -> u64 {
         // SamplePart (32 bytes) per (item, part); items <= rows.
         Op::Sample { .. } => rows * SAMPLE_PARTS as u64 * 8,
         Op::HcRead { hc, rank, dim, .. } => rows * (*rank as u64 + *hc as u64 * *dim as u64),
+        // The gate of each (row, hyper-connection group), from ple_mix to ple_mix_conv.
+        Op::PleMix { hc, .. } => rows * *hc as u64,
         _ => 0,
     }
 }
@@ -539,9 +572,11 @@ pub(crate) fn spec(
             };
             let outs = *rank + if p.inject != 0 { *hc } else { 0 };
             let nrows = if gathered { streams } else { rows };
+            let (read, tiles) = by_row_tiles(HC_READ, nrows);
+            let (mix, _) = by_row_tiles(HC_READ_MIX, nrows);
             one("hc_norm", bytes(&p), nrows * *hc, 256)
-                .then(by_rows(HC_READ, nrows), outs.div_ceil(2), 256)
-                .then(by_rows(HC_READ_MIX, nrows), dim.div_ceil(8), 256)
+                .then_grid(read, (outs.div_ceil(2), tiles, 1), 256)
+                .then_grid(mix, (dim.div_ceil(8), tiles, 1), 256)
         }
         Op::HcWrite { h, y, inj, dim, hc } => {
             let p = FpHcWrite {
@@ -636,7 +671,12 @@ pub(crate) fn spec(
                 eps: *eps,
                 pad: 0,
             };
-            LaunchSpec::new("ple_mix", bytes(&p), (streams, p.hc, 1), 256)
+            // Gates and Gn per (stream, group, row), then the conv and the update of h (kernels/ple.cu).
+            LaunchSpec::new("ple_mix", bytes(&p), (streams, p.hc, window), 256).then_grid(
+                "ple_mix_conv",
+                (streams, p.hc, window),
+                256,
+            )
         }
         Op::PleCommit {
             history,
@@ -992,12 +1032,17 @@ pub(crate) fn spec(
                 dim: *dim,
                 norm: *norm as u32,
             };
-            let logits = one(by_rows(ROUTER, rows), bytes(&p), experts.div_ceil(16), 256);
             if one_launch {
-                // The logits launch's last block does the top-k (warp per row), counting in the node's counter.
-                logits
+                // The logits launch's last block does the top-k (warp per row), counting in the node's counter
+                // (one grid row: the count is over gridDim.x blocks).
+                one(by_rows(ROUTER, rows), bytes(&p), experts.div_ceil(16), 256)
             } else {
-                logits.then("router_topk", rows, ROUTER_TOPK_THREADS)
+                let (logits, tiles) = by_row_tiles(ROUTER, rows);
+                LaunchSpec::new(logits, bytes(&p), (experts.div_ceil(16), tiles, 1), 256).then(
+                    "router_topk",
+                    rows,
+                    ROUTER_TOPK_THREADS,
+                )
             }
         }
         Op::Experts {
@@ -1052,13 +1097,15 @@ pub(crate) fn spec(
                 dim: *dim,
                 inter: *inter,
             };
-            one(
-                by_rows(SHARED_EXPERT, rows),
+            let (gate_up, tiles) = by_row_tiles(SHARED_EXPERT, rows);
+            let (down, _) = by_row_tiles(SHARED_EXPERT_DOWN, rows);
+            LaunchSpec::new(
+                gate_up,
                 bytes(&p),
-                (*inter + 1).div_ceil(8),
+                ((*inter + 1).div_ceil(8), tiles, 1),
                 256,
             )
-            .then(by_rows(SHARED_EXPERT_DOWN, rows), dim.div_ceil(16), 256)
+            .then_grid(down, (dim.div_ceil(16), tiles, 1), 256)
         }
         Op::Sample {
             logits,

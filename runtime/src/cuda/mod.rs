@@ -871,7 +871,7 @@ impl Worker {
         let mut args = [params.as_mut_ptr() as *mut c_void];
         self.launch_one(sp.kernel, sp.grid, sp.block, &mut args)?;
         for &(k2, grid, block) in &sp.then {
-            self.launch_one(k2, (grid, 1, 1), (block, 1, 1), &mut args)?;
+            self.launch_one(k2, grid, (block, 1, 1), &mut args)?;
         }
         Ok(())
     }
