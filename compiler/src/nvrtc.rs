@@ -49,7 +49,8 @@ pub enum NvrtcError {
     },
 }
 
-/// Entry points a module source exports: every `extern "C" __global__ void NAME(`.
+/// Entry points a module source exports: every `extern "C" __global__ void NAME(` (or
+/// `extern "C" __global__ void __launch_bounds__(...) NAME(`).
 pub fn entry_points(src: &str) -> Vec<String> {
     let mut out = Vec::new();
     for line in src.lines() {
@@ -57,6 +58,10 @@ pub fn entry_points(src: &str) -> Vec<String> {
             .trim_start()
             .strip_prefix("extern \"C\" __global__ void ")
         {
+            let rest = match rest.strip_prefix("__launch_bounds__(") {
+                Some(b) => b.split_once(')').map_or("", |(_, r)| r),
+                None => rest,
+            };
             if let Some(name) = rest.split('(').next() {
                 out.push(name.trim().to_string());
             }
