@@ -262,9 +262,28 @@ const LINEAR_MXFP8: ByRows = [
     "linear_mxfp8_t16",
 ];
 
+/// Output features per warp group of `linear_mxfp8` (`MX_NPW` in kernels/mxfp8.cu), at every row tile.
+const MX_NPW: u32 = 4;
+
+/// Slices of K for `linear_mxfp8` (kernels/mxfp8.cu: slices of whole scale groups, each lane reading 16 codes at a
+/// time, a warp 512 per pass): the fewest of 1, 2, 4, 8 that leave each lane at most 8 chunks of 16 codes per
+/// weight row and give the launch at least 256 blocks (a weight with few rows splits K rather than leave SMs idle),
+/// else 8. A function of the weight's shape `[n, k]` alone, so every row count gets the same slices (row
+/// invariance).
+pub(crate) fn mx_split(k: u32, n: u32) -> u32 {
+    let passes = k.div_ceil(512);
+    [1, 2, 4, 8]
+        .into_iter()
+        .find(|&s| passes.div_ceil(s) <= 8 && n.div_ceil(MX_NPW * (8 / s)) >= 256)
+        .unwrap_or(8)
+}
+
 /// A `Linear` node whose weight is held as MXFP8 (issue 8): `linear_mxfp8` (kernels/mxfp8.cu) with `linear`'s
-/// parameters (`p.w` is the codes' address), its launch shape, row tile and split of K, so both give the same bits.
-fn linear_mxfp8(p: &FpLinear, scales: u64, total: u32, grid: u32) -> LaunchSpec {
+/// parameters (`p.w` is the codes' address) and row tile, its own split of K ([`mx_split`]) and grid (blocks of
+/// 8 / split groups of [`MX_NPW`] features; the kernel strides over its grid).
+fn linear_mxfp8(p: &FpLinear, scales: u64, total: u32) -> LaunchSpec {
+    let split = mx_split(p.k, p.n);
+    let grid = p.n.div_ceil(MX_NPW * (8 / split));
     let m = FpLinearMxfp8 {
         c: p.c,
         x: p.x,
@@ -276,7 +295,7 @@ fn linear_mxfp8(p: &FpLinear, scales: u64, total: u32, grid: u32) -> LaunchSpec 
         sub: p.sub,
         accumulate: p.accumulate,
         gathered: p.gathered,
-        split: p.split,
+        split,
     };
     LaunchSpec::new(
         by_rows(LINEAR_MXFP8, total),
@@ -499,14 +518,7 @@ pub(crate) fn spec(
         Op::Linear { w, n, .. } => {
             let (p, total, per_block) = linear_params(a, v, op)?;
             match a.mxfp8_scales.get(w.0 as usize) {
-                Some(&scales) if scales != 0 => {
-                    // linear_mxfp8 splits K as the other split-K kernels and keeps 4 features per group.
-                    let p = FpLinear {
-                        split: k_split(p.k),
-                        ..p
-                    };
-                    linear_mxfp8(&p, scales, total, n.div_ceil(4 * (8 / p.split)))
-                }
+                Some(&scales) if scales != 0 => linear_mxfp8(&p, scales, total),
                 _ => one(
                     by_rows(LINEAR, total),
                     bytes(&p),
@@ -1139,4 +1151,25 @@ pub(crate) fn spec(
             one("keep_count", bytes(&p), 1, 32)
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mx_split_depends_on_the_weight_shape_only() {
+        // The drafting lm_head (k 2560, n 248320): no split, 7760 blocks of 32 features.
+        assert_eq!(mx_split(2560, 248_320), 1);
+        // Few rows: split K for more blocks (k/v projections, n 512), up to 8.
+        assert_eq!(mx_split(2560, 512), 8);
+        assert_eq!(mx_split(2560, 2560), 4);
+        // Long rows: at most 8 chunks of 16 codes per lane and row.
+        assert_eq!(mx_split(8192, 1 << 20), 2);
+        assert_eq!(mx_split(1 << 20, 1 << 20), 8);
+        for (k, n) in [(64, 512), (2560, 12_288), (6144, 2560), (40, 3)] {
+            let s = mx_split(k, n);
+            assert!([1, 2, 4, 8].contains(&s), "{k} x {n}: {s}");
+        }
+    }
 }
