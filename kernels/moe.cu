@@ -225,7 +225,7 @@ extern "C" __global__ void router_topk(const FpRouter p) {
     }
 }
 
-// hid[r, i, q] = silu(gate_e x_r) * (up_e x_r), e = ids[r, i]; warp per (r, i, pair of q).
+// hid[r, i, q] = silu(gate_e x_r) * (up_e x_r), e = ids[r, i]; warp per (pair of q, r, i).
 extern "C" __global__ void experts(const FpExperts p) {
     pdl_start();
     const FpCommon& c = p.c;
@@ -238,9 +238,11 @@ extern "C" __global__ void experts(const FpExperts p) {
     const u64 items = (u64)R * p.topk * pairs;
     const bool wvec = (D & 7) == 0 && (p.gate_up & 15) == 0;
     for (u64 it = gw; it < items; it += nwarps) {
-        const u32 r = (u32)(it / ((u64)p.topk * pairs));
-        const u32 rest = (u32)(it % ((u64)p.topk * pairs));
-        const u32 i = rest / pairs, q0 = (rest % pairs) * 2;
+        // Pair-major: the warps of one feature pair over every (row, rank) run side by side, so rows routed to the
+        // same expert read its weight rows together (one DRAM read, the others from L2).
+        const u32 q0 = (u32)(it / ((u64)R * p.topk)) * 2;
+        const u32 rest = (u32)(it % ((u64)R * p.topk));
+        const u32 r = rest / p.topk, i = rest % p.topk;
         if (!row_ok(c, r, false)) continue;
         const u32 e = uptr(p.ids)[(u64)r * p.topk + i];
         const bf16_t* gu = (const bf16_t*)p.gate_up + (u64)e * 2 * I * D;
@@ -257,7 +259,7 @@ extern "C" __global__ void experts(const FpExperts p) {
     }
 }
 
-// out[r, d] = sum over ranks i in order of weights[r, i] * down_e[d] . hid[r, i]; warp per (r, d), lane group g
+// out[r, d] = sum over ranks i in order of weights[r, i] * down_e[d] . hid[r, i]; warp per (d, r), lane group g
 // (8 lanes) takes ranks g, g + 4, ...
 extern "C" __global__ void experts_down(const FpExperts p) {
     pdl_start();
@@ -270,7 +272,9 @@ extern "C" __global__ void experts_down(const FpExperts p) {
     const u64 items = (u64)R * D;
     const bool vec = (I & 7) == 0 && (p.down & 15) == 0;
     for (u64 it = gw; it < items; it += nwarps) {
-        const u32 r = (u32)(it / D), d = (u32)(it % D);
+        // Feature-major: the warps of one output feature over every row run side by side, so rows routed to the
+        // same expert read its down row together (one DRAM read, the others from L2).
+        const u32 d = (u32)(it / R), r = (u32)(it % R);
         if (!row_ok(c, r, false)) continue;
         const u32* ids = uptr(p.ids) + (u64)r * p.topk;
         float part[MOE_MAX_TOPK / 4];

@@ -7,7 +7,8 @@
 //! Grouping (`launch_groups`): starting at a node, a run grows over the following nodes while each is a `Linear`
 //! node
 //! - with a BF16 weight (MXFP8 weights keep their own `linear_mxfp8` launch),
-//! - reading the same x buffer with the same k and sub (hence the same gathered-ness, row tile and split of K),
+//! - reading the same x buffer with the same k and sub (hence the same gathered-ness and row tile) and the same split
+//!   of K (`launch::tc_split`, which also looks at n),
 //! - whose output overlaps neither x nor the output of any earlier node of the run (checked on the plan's buffer
 //!   spaces and element ranges, so arena reuse cannot alias them; an accumulating node reads its own output, which
 //!   no other node of the run touches then),
@@ -43,18 +44,27 @@ struct Lin {
     k: u32,
     sub: u32,
     gathered: bool,
+    /// Slices of K (`launch::tc_split`, from the weight's shape).
+    split: u32,
 }
 
 fn bf16_linear(v: &Variant, op: &Op, mxfp8: &impl Fn(WeightId) -> bool) -> Option<Lin> {
     match op {
         Op::Linear {
-            x, w, out, k, sub, ..
+            x,
+            w,
+            out,
+            k,
+            n,
+            sub,
+            ..
         } if !mxfp8(*w) => Some(Lin {
             x: *x,
             out: *out,
             k: *k,
             sub: *sub,
             gathered: linear_gathered(v, *x, *k, *sub),
+            split: super::launch::tc_split(*k, *n),
         }),
         _ => None,
     }
@@ -80,6 +90,7 @@ pub(crate) fn launch_groups(v: &Variant, mxfp8: impl Fn(WeightId) -> bool) -> Ve
                         && l.k == first.k
                         && l.sub == first.sub
                         && l.gathered == first.gathered
+                        && l.split == first.split
                         && !overlap(v, l.out, first.x)
                         && outs.iter().all(|&o| !overlap(v, l.out, o));
                     if !joins {

@@ -231,25 +231,22 @@ pub(crate) fn scratch_elems(body: &PlanBody, op: &Op, rows: u64) -> u64 {
     }
 }
 
-/// Slices of K per output group for the split-K matrix-vector kernels (`slice_dots` in `kernels/common.cuh`): the
-/// fewest of 1, 2, 4, 8 that leave each lane at most 4 chunks of 8 values per weight row (so a warp has all its
-/// loads in flight at once). A function of K alone, so every row count gets the same slices (row invariance).
-pub(crate) fn k_split(k: u32) -> u32 {
-    let chunks = k.div_ceil(256);
-    [1, 2, 4, 8]
-        .into_iter()
-        .find(|s| chunks.div_ceil(*s) <= 4)
-        .unwrap_or(8)
-}
-
-/// Slices of K for the tensor-core linear (`linear_tc_rows` in `kernels/linear.cuh`): K runs in steps of 32 values;
-/// the fewest of 1, 2, 4, 8 slices that leave each warp at most 8 steps (two batches of 4 steps in flight). A
-/// function of K alone, so every row count sums in the same order (row invariance).
-pub(crate) fn tc_split(k: u32) -> u32 {
+/// Slices of K for the tensor-core linear (`linear_tc_rows` in `kernels/linear.cuh`), from the weight's shape
+/// `[n, k]` alone (so every row count sums in the same order: row invariance). K runs in steps of 32 values; the
+/// fewest of 1, 2, 4, 8 slices that leave each warp at most 40 steps and give the launch at least 528 blocks (4 per
+/// SM of the H200; a block is 8 / S m-tiles of 16 features), else 8. Measured on the H200 (lone-w1): the 248k-row
+/// lm_head is fastest with 2 slices (315 us against 347 with 8), the 10k-16k-row projections with 8 (156 us for a
+/// replay's four fused runs against 163 with 2 and 189 with 4).
+pub(crate) fn tc_split(k: u32, n: u32) -> u32 {
+    const MOST_STEPS: u32 = 40;
+    const LEAST_BLOCKS: u64 = 528;
     let steps = k.div_ceil(32);
     [1, 2, 4, 8]
         .into_iter()
-        .find(|s| steps.div_ceil(*s) <= 8)
+        .find(|&s| {
+            steps.div_ceil(s) <= MOST_STEPS
+                && (n as u64).div_ceil(16 * 8 / s as u64) >= LEAST_BLOCKS
+        })
         .unwrap_or(8)
 }
 
@@ -336,7 +333,7 @@ fn linear_params(a: &Addrs, v: &Variant, op: &Op) -> Result<(FpLinear, u32, u32)
         sub: *sub,
         accumulate: *accumulate as u32,
         gathered: gathered as u32,
-        split: tc_split(*k),
+        split: tc_split(*k, *n),
     };
     let total = if gathered { streams } else { streams * window } * *sub;
     let per_block = 16 * (8 / p.split);
@@ -370,9 +367,10 @@ fn linear_multi(a: &Addrs, v: &Variant, ops: &[&Op]) -> Result<LaunchSpec, Backe
     let (mut total, mut grid) = (0, 0);
     for (i, op) in ops.iter().enumerate() {
         let (p, t, per_block) = linear_params(a, v, op)?;
-        if i > 0 && (p.x != m.x || p.k != m.k || p.sub != m.sub || t != total) {
+        if i > 0 && (p.x != m.x || p.k != m.k || p.sub != m.sub || p.split != m.split || t != total)
+        {
             return Err(BackendError::Device(
-                "linear_multi: the linears of a run differ in x, k or rows".into(),
+                "linear_multi: the linears of a run differ in x, k, split of K or rows".into(),
             ));
         }
         (m.c, m.x, m.k, m.sub, m.gathered, m.split) = (p.c, p.x, p.k, p.sub, p.gathered, p.split);
@@ -1171,5 +1169,22 @@ mod tests {
             let s = mx_split(k, n);
             assert!([1, 2, 4, 8].contains(&s), "{k} x {n}: {s}");
         }
+    }
+
+    #[test]
+    fn tc_split_depends_on_the_weight_shape_only() {
+        // lm_head (k 2560, n 248320): 2 slices of 40 steps, 3880 blocks.
+        assert_eq!(tc_split(2560, 248_320), 2);
+        // The GDN qkv and z, the attention q (k 2560, n 6144 .. 16384): 8 slices, the most blocks.
+        assert_eq!(tc_split(2560, 10_240), 8);
+        assert_eq!(tc_split(2560, 6144), 8);
+        // o_proj (k 6144, n 2560) and tiny projections: at most 8.
+        assert_eq!(tc_split(6144, 2560), 8);
+        assert_eq!(tc_split(2560, 48), 8);
+        // A short K with many rows needs no split.
+        assert_eq!(tc_split(64, 1 << 20), 1);
+        // Long K: at most 40 steps per slice while there are blocks enough.
+        assert_eq!(tc_split(8192, 1 << 20), 8);
+        assert_eq!(tc_split(2560, 1 << 20), 2);
     }
 }
