@@ -3,7 +3,7 @@
 // count): each gets the registers its tile needs.
 #include "linear.cuh"
 
-// The tensor-core body (linear.cuh `linear_tc_rows`): K in S = `tc_split(K)` slices (runtime/src/cuda/launch.rs),
+// The tensor-core body (linear.cuh `linear_tc_rows`): K in S = `tc_split(k, n)` slices (from the weight's shape) (runtime/src/cuda/launch.rs),
 // one m-tile of 16 features per warp, U = 4 steps of 32 weights in flight per lane.
 template <int T>
 DEV void linear_entry(const FpLinear& p, u32 block, u32 nblocks) {
@@ -19,10 +19,10 @@ extern "C" __global__ void linear_t16(const FpLinear p) { pdl_start(); linear_en
 
 // linear_multi: up to FP_MAX_LINEARS sibling `linear`s reading the same x, one launch (the runtime fuses consecutive
 // Linear nodes, runtime/src/cuda/fuse.rs). Block b belongs to matrix m where b falls in m's range of the prefix sums
-// of blocks[] (blocks[m] = m's own `linear` grid, same row tile T and split S); it runs `linear_t` on m's
-// parameters as block b - start(m) of blocks[m]. So every output element is computed with exactly the arithmetic
-// of the unfused `linear` launch (same S from K, same slices, per-lane k order, warp tree and slice sum):
-// bit-identical results, and row invariance as `linear`'s.
+// of blocks[] (blocks[m] = m's own `linear` grid, same row tile T and split S: the runtime only joins linears
+// with the same split); it runs `linear_entry` on m's parameters as block b - start(m) of blocks[m]. So every
+// output element is computed with exactly the arithmetic of the unfused `linear` launch (same slices, MMA order
+// and slice sum): bit-identical results, and row invariance as `linear`'s.
 template <int T>
 DEV void linear_multi_entry(const FpLinearMulti& p) {
     u32 b = blockIdx.x;

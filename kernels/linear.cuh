@@ -33,7 +33,7 @@ DEV u32 linear_total(const FpCommon& c, u32 sub, u32 gathered) {
 // out[i, n] (+)= sum_k x[i, k] * w[n, k] with mma.sync m16n8k16 (BF16 x BF16 -> f32). The f32 activation is split
 // exactly into three BF16 terms x = hi + mid + lo (`split3`: truncations of the f32 bits; every remainder is exact
 // in f32), so every product w * term is exact and the sum is f32 accumulation in the tensor core's fixed order.
-// A warp owns one m-tile of 16 output features and one slice of K (S slices from K alone, steps of 32 values); the
+// A warp owns one m-tile of 16 output features and one slice of K (S slices from the weight's shape [n, k] alone, steps of 32 values); the
 // 8 rows of an n-tile are the 8 columns of the MMA, so a row's arithmetic is the same in every column, every tile
 // (a lone row runs in column 0 with 7 zero columns) and every launch: row invariance. Per step lane (g = lane / 4,
 // q = lane % 4) loads the 8 weights at k = 32 step + 8 q of feature rows g and g + 8 (two 16-byte loads) and the
@@ -51,10 +51,10 @@ DEV void mma_bf16_16816(float (&d)[4], const u32 a0, const u32 a1, const u32 a2,
 }
 
 // x = h + m + l exactly, each BF16-exact: h = x with its low 16 bits cleared, m likewise of r = x - h (exact), and
-// l = r - m (exact, at most 8 significant bits).
+// l = r - m (exact, at most 8 significant bits); x = +-Inf gives h = x, m = l = 0.
 DEV void split3(const float x, float& h, float& m, float& l) {
     h = __uint_as_float(__float_as_uint(x) & 0xffff0000u);
-    const float r = x - h;
+    const float r = isinf(x) ? 0.0f : x - h;  // an infinite x is its own hi term (as the CPU twin keeps it)
     m = __uint_as_float(__float_as_uint(r) & 0xffff0000u);
     l = r - m;
 }

@@ -1,12 +1,14 @@
 // Mixture of experts, each op in two launches (the runtime launches both for one node), the router in one:
-// - router (logits of every row into scratch [rows, experts], warp per MOE_NPW experts, all rows); its last block
+// - router (logits of every row into scratch [rows, experts], warp per MOE_NPW experts; with router_topk, tiles of at
+//   most 4 rows over blockIdx.y); its last block
 //   to finish (integer count in the node's `done` counter) does the top-k of every row, warp per row (softmax,
 //   repeated argmax with the lowest index on ties, renormalised in rank order). With done == 0 (FLASHPLAN_FUSE_SMALL=0)
 //   router_topk does the same as a second launch (block per row, radix select): the same values bit for bit;
-// - experts (warp per (row, rank, pair of intermediate features): silu(gate x) * up x into scratch) then
-//   experts_down (warp per (row, output feature): four groups of 8 lanes take the ranks, summed in rank order);
-// - shared_expert (warp per intermediate feature, all rows; the sigmoid gate by one more warp) then
-//   shared_expert_down (warp per 2 output features, all rows; out += gate * down).
+// - experts_t1 / experts_t4 (warp per (intermediate feature, row, rank), feature-major, rows routed to one expert
+//   grouped under the first: silu(gate x) * up x into scratch) then experts_down (warp per (output feature, row):
+//   four groups of 8 lanes take the ranks, summed in rank order);
+// - shared_expert (warp per intermediate feature, tiles of at most 4 rows over blockIdx.y; the sigmoid gate by one
+//   more warp) then shared_expert_down (warp per 2 output features; out += gate * down).
 // The routed experts are chosen on the device, so one graph serves any routing. Every value's reduction order is
 // fixed by the kernel (lane order, fixed trees, ranks in order): row invariant.
 #include "common.cuh"
@@ -124,13 +126,14 @@ DEV void router_topk_warp(const FpRouter& p, u32 r, u32 lane) {
 }
 
 // After the logits (p.done != 0): the last block of the launch to finish does the top-k of every row (warp per
-// row) and resets the counter for the next launch (graph replay). Integer count only; every logit is written by
+// row); the count wraps to 0 for the next launch (graph replay). Integer count only; every logit is written by
 // one warp before its block's count, so the top-k reads each final value.
 DEV void router_last_block(const FpRouter& p, u32 R) {
     __shared__ u32 last;
     __threadfence();  // this thread's logits, device-wide, before the block's count
     __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(uptr(p.done), 1u) == gridDim.x * gridDim.y - 1 ? 1u : 0u;
+    // atomicInc wraps to 0 at the last block's count: the counter is 0 again for the next launch.
+    if (threadIdx.x == 0) last = atomicInc(uptr(p.done), gridDim.x * gridDim.y - 1) == gridDim.x * gridDim.y - 1 ? 1u : 0u;
     __syncthreads();
     if (!last) return;
     __threadfence();  // every other block counted after its fence: their logits are visible from here
@@ -142,10 +145,10 @@ DEV void router_last_block(const FpRouter& p, u32 R) {
         else
             router_topk_warp<32>(p, r, lane);
     }
-    if (threadIdx.x == 0) atomicExch(uptr(p.done), 0u);
 }
 
-// Entry points per row tile (router_t1 .. router_t16; the launch picks one from the row count).
+// Entry points per row tile (router_t1 .. router_t8: up to 8 rows in one launch, beyond that tiles of 4 rows over
+// blockIdx.y with router_topk following).
 template <int T>
 DEV void router_entry(const FpRouter& p) {
     const u32 R = p.c.nstreams * p.c.window;
@@ -156,7 +159,6 @@ extern "C" __global__ void router_t1(const FpRouter p) { pdl_start(); router_ent
 extern "C" __global__ void router_t2(const FpRouter p) { pdl_start(); router_entry<2>(p); }
 extern "C" __global__ void router_t4(const FpRouter p) { pdl_start(); router_entry<4>(p); }
 extern "C" __global__ void router_t8(const FpRouter p) { pdl_start(); router_entry<8>(p); }
-extern "C" __global__ void router_t16(const FpRouter p) { pdl_start(); router_entry<16>(p); }
 
 // Block per row (ROUTER_TOPK_THREADS threads) over the logits in scratch, thread per expert: p = softmax (block max and block sum, fixed trees);
 // the top-k by (p descending, id ascending), as repeated argmax with lowest-id ties: radix select of the k-th
@@ -225,39 +227,86 @@ extern "C" __global__ void router_topk(const FpRouter p) {
     }
 }
 
-// hid[r, i, q] = silu(gate_e x_r) * (up_e x_r), e = ids[r, i]; warp per (pair of q, r, i).
-extern "C" __global__ void experts(const FpExperts p) {
-    pdl_start();
+// hid[r, i, q] = silu(gate_e x_r) * (up_e x_r), e = ids[r, i]. Warp per (feature q, entry j = r * topk + i),
+// feature-major. Rows grouped by expert: the warp of entry j leads when no earlier real row routes to e (else that
+// row's warp has it); the leader takes every entry routing to e from j on (ranks are distinct within a row, so at
+// most one per row), in entry order, tiles of T rows reading gate_e[q] and up_e[q] once per tile for all of them
+// (`warp_dots_x` over the member rows: a row's arithmetic is the same in any tile, alone or grouped). Other warps
+// of the same entry skip. T == 1 (one row per launch) has no grouping to do.
+// One tile of a leader's member entries mem[0 .. n) (n <= T): hid[j, q] for each, gate and up rows read once.
+template <int T>
+DEV void experts_tile(const FpExperts& p, const Bf16Row (&w)[2], u32 q, const u32* mem, u32 n, bool wvec, bool xvec,
+                      u32 lane) {
+    const u32 D = p.dim, I = p.inter;
+    RowPtrs<T> xa;
+    xa.vec = xvec;
+    bool ok[T];
+#pragma unroll
+    for (int t = 0; t < T; t++) {
+        ok[t] = (u32)t < n;
+        xa.p[t] = fptr(p.x) + (u64)(ok[t] ? mem[t] / p.topk : 0) * D;
+    }
+    float res[2][T];
+    warp_dots_x<T, 2, 4>(w, 2, xa, ok, D, wvec, lane, res);
+    if (lane == 0)
+#pragma unroll
+        for (int t = 0; t < T; t++)
+            if (ok[t]) fptr(p.c.scratch)[(u64)mem[t] * I + q] = siluf_(res[0][t]) * res[1][t];
+}
+
+template <int T>
+DEV void experts_gate_up(const FpExperts& p) {
+    __shared__ u32 mem_sh[8][T];
     const FpCommon& c = p.c;
     const u32 R = c.nstreams * c.window;
-    const u32 lane = threadIdx.x & 31;
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const u32 nwarps = (gridDim.x * blockDim.x) >> 5;
     const u32 D = p.dim, I = p.inter;
-    const u32 pairs = (I + 1) / 2;
-    const u64 items = (u64)R * p.topk * pairs;
+    const u32* ids = uptr(p.ids);
+    const u32 RK = R * p.topk;
+    const u64 items = (u64)RK * I;
     const bool wvec = (D & 7) == 0 && (p.gate_up & 15) == 0;
+    const bool xvec = ((p.x & 15) == 0) && (D & 3) == 0;
+    u32* mem = mem_sh[warp];
     for (u64 it = gw; it < items; it += nwarps) {
-        // Pair-major: the warps of one feature pair over every (row, rank) run side by side, so rows routed to the
-        // same expert read its weight rows together (one DRAM read, the others from L2).
-        const u32 q0 = (u32)(it / ((u64)R * p.topk)) * 2;
-        const u32 rest = (u32)(it % ((u64)R * p.topk));
-        const u32 r = rest / p.topk, i = rest % p.topk;
-        if (!row_ok(c, r, false)) continue;
-        const u32 e = uptr(p.ids)[(u64)r * p.topk + i];
+        const u32 q = (u32)(it / RK), j0 = (u32)(it % RK);
+        if (!row_ok(c, j0 / p.topk, false)) continue;
+        const u32 e = ids[j0];
+        bool earlier = false;
+        for (u32 j = lane; j < j0 - j0 % p.topk; j += 32) earlier |= ids[j] == e && row_ok(c, j / p.topk, false);
+        if (__any_sync(FULL_MASK, earlier)) continue;
         const bf16_t* gu = (const bf16_t*)p.gate_up + (u64)e * 2 * I * D;
-        const u32 q1 = q0 + 1 < I ? q0 + 1 : q0;
-        const bf16_t* w[4] = {gu + (u64)q0 * D, gu + (u64)(I + q0) * D, gu + (u64)q1 * D, gu + (u64)(I + q1) * D};
-        const bool ok[1] = {true};
-        float res[4][1];
-        warp_dots<1, 4, 4>(w, 4, fptr(p.x) + (u64)r * D, D, ok, D, wvec, lane, res);
-        float* hid = fptr(c.scratch) + ((u64)r * p.topk + i) * I;
-        if (lane == 0) {
-            hid[q0] = siluf_(res[0][0]) * res[1][0];
-            if (q0 + 1 < I) hid[q0 + 1] = siluf_(res[2][0]) * res[3][0];
+        Bf16Row w[2];
+        w[0].p = gu + (u64)q * D;
+        w[1].p = gu + (u64)(I + q) * D;
+        u32 n = 0;
+        for (u32 jb = j0; jb < RK; jb += 32) {
+            const u32 j = jb + lane;
+            const bool m = j < RK && ids[j] == e && (j == j0 || row_ok(c, j / p.topk, false));
+            u32 mask = __ballot_sync(FULL_MASK, m);
+            while (mask) {
+                const u32 b = __ffs(mask) - 1;
+                mask &= mask - 1;
+                if (lane == 0) mem[n] = jb + b;
+                n++;
+                if (n == (u32)T) {
+                    __syncwarp();
+                    experts_tile<T>(p, w, q, mem, n, wvec, xvec, lane);
+                    __syncwarp();
+                    n = 0;
+                }
+            }
+        }
+        if (n > 0) {
+            __syncwarp();
+            experts_tile<T>(p, w, q, mem, n, wvec, xvec, lane);
+            __syncwarp();
         }
     }
 }
+extern "C" __global__ void experts_t1(const FpExperts p) { pdl_start(); experts_gate_up<1>(p); }
+extern "C" __global__ void experts_t4(const FpExperts p) { pdl_start(); experts_gate_up<4>(p); }
 
 // out[r, d] = sum over ranks i in order of weights[r, i] * down_e[d] . hid[r, i]; warp per (d, r), lane group g
 // (8 lanes) takes ranks g, g + 4, ...
@@ -367,8 +416,6 @@ DEV void shared_entry(const FpSharedExpert& p) {
 extern "C" __global__ void shared_expert_t1(const FpSharedExpert p) { pdl_start(); shared_entry<1>(p); }
 extern "C" __global__ void shared_expert_t2(const FpSharedExpert p) { pdl_start(); shared_entry<2>(p); }
 extern "C" __global__ void shared_expert_t4(const FpSharedExpert p) { pdl_start(); shared_entry<4>(p); }
-extern "C" __global__ void shared_expert_t8(const FpSharedExpert p) { pdl_start(); shared_entry<8>(p); }
-extern "C" __global__ void shared_expert_t16(const FpSharedExpert p) { pdl_start(); shared_entry<16>(p); }
 
 // out[r, d] += sg[r] * (down_d . hid[r]); warp per 2 features d, all rows.
 template <int T>
@@ -410,5 +457,3 @@ DEV void shared_down_entry(const FpSharedExpert& p) {
 extern "C" __global__ void shared_expert_down_t1(const FpSharedExpert p) { pdl_start(); shared_down_entry<1>(p); }
 extern "C" __global__ void shared_expert_down_t2(const FpSharedExpert p) { pdl_start(); shared_down_entry<2>(p); }
 extern "C" __global__ void shared_expert_down_t4(const FpSharedExpert p) { pdl_start(); shared_down_entry<4>(p); }
-extern "C" __global__ void shared_expert_down_t8(const FpSharedExpert p) { pdl_start(); shared_down_entry<8>(p); }
-extern "C" __global__ void shared_expert_down_t16(const FpSharedExpert p) { pdl_start(); shared_down_entry<16>(p); }

@@ -7,7 +7,7 @@
 // tolerance, like every kernel). Row invariant: a row's arithmetic depends only on the weight's shape [n, k] (the
 // launch's split S comes from it: runtime/src/cuda/launch.rs `mx_split`), never on the other rows or their count.
 //
-// Launch (same parameters and grid-stride shape as linear): block of 8 warps = 8 / S groups of MX_NPW = 4 output
+// Launch (linear's parameters, its own shape): block of 8 warps = 8 / S groups of MX_NPW = 4 output
 // features x S slices of K; grid ceil(n / (4 * 8 / S)). Slice s of K is [s * per, (s + 1) * per) with
 // per = ceil(K / 32 / S) * 32 (cut at K): slices start on scale groups.
 //

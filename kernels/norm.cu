@@ -144,19 +144,14 @@ DEV void hc_read_t(const FpHcRead& p, u32 nrows) {
     }
 }
 
-// Entry points per row tile (hc_read_t1 .. hc_read_t16; the launch picks one from the row count).
+// Entry points per row tile (hc_read_t1, _t2, _t4; beyond 4 rows the launch adds tiles over blockIdx.y).
 template <int T>
 DEV void hc_read_entry(const FpHcRead& p) {
-    if (T <= 4)
-        hc_read_t<T, 8>(p, hc_rows(p));
-    else
-        hc_read_t<T, 4>(p, hc_rows(p));
+    hc_read_t<T, 8>(p, hc_rows(p));
 }
 extern "C" __global__ void hc_read_t1(const FpHcRead p) { pdl_start(); hc_read_entry<1>(p); }
 extern "C" __global__ void hc_read_t2(const FpHcRead p) { pdl_start(); hc_read_entry<2>(p); }
 extern "C" __global__ void hc_read_t4(const FpHcRead p) { pdl_start(); hc_read_entry<4>(p); }
-extern "C" __global__ void hc_read_t8(const FpHcRead p) { pdl_start(); hc_read_entry<8>(p); }
-extern "C" __global__ void hc_read_t16(const FpHcRead p) { pdl_start(); hc_read_entry<16>(p); }
 
 #define HC_UP_CHUNKS 8
 template <int T>
@@ -248,5 +243,3 @@ DEV void hc_mix_entry(const FpHcRead& p) {
 extern "C" __global__ void hc_read_mix_t1(const FpHcRead p) { pdl_start(); hc_mix_entry<1>(p); }
 extern "C" __global__ void hc_read_mix_t2(const FpHcRead p) { pdl_start(); hc_mix_entry<2>(p); }
 extern "C" __global__ void hc_read_mix_t4(const FpHcRead p) { pdl_start(); hc_mix_entry<4>(p); }
-extern "C" __global__ void hc_read_mix_t8(const FpHcRead p) { pdl_start(); hc_mix_entry<8>(p); }
-extern "C" __global__ void hc_read_mix_t16(const FpHcRead p) { pdl_start(); hc_mix_entry<16>(p); }

@@ -105,53 +105,26 @@ impl Addrs<'_> {
 
 /// Entry points of one kernel per row tile T = 1, 2, 4, 8, 16 (`name_tT` in `kernels/`): each is compiled with the
 /// registers its tile needs.
-type ByRows = [&'static str; 5];
-const LINEAR: ByRows = [
+/// Entry points of a kernel per row tile, for tiles 1, 2, 4, 8, 16 in order (a prefix: kernels whose launches never
+/// take the larger tiles do not compile them).
+type ByRows = &'static [&'static str];
+const LINEAR: ByRows = &[
     "linear_t1",
     "linear_t2",
     "linear_t4",
     "linear_t8",
     "linear_t16",
 ];
-const HC_READ: ByRows = [
-    "hc_read_t1",
-    "hc_read_t2",
-    "hc_read_t4",
-    "hc_read_t8",
-    "hc_read_t16",
-];
-const HC_READ_MIX: ByRows = [
-    "hc_read_mix_t1",
-    "hc_read_mix_t2",
-    "hc_read_mix_t4",
-    "hc_read_mix_t8",
-    "hc_read_mix_t16",
-];
-const ROUTER: ByRows = [
-    "router_t1",
-    "router_t2",
-    "router_t4",
-    "router_t8",
-    "router_t16",
-];
-const SHARED_EXPERT: ByRows = [
-    "shared_expert_t1",
-    "shared_expert_t2",
-    "shared_expert_t4",
-    "shared_expert_t8",
-    "shared_expert_t16",
-];
-const SHARED_EXPERT_DOWN: ByRows = [
+const HC_READ: ByRows = &["hc_read_t1", "hc_read_t2", "hc_read_t4"];
+const HC_READ_MIX: ByRows = &["hc_read_mix_t1", "hc_read_mix_t2", "hc_read_mix_t4"];
+const ROUTER: ByRows = &["router_t1", "router_t2", "router_t4", "router_t8"];
+const SHARED_EXPERT: ByRows = &["shared_expert_t1", "shared_expert_t2", "shared_expert_t4"];
+const SHARED_EXPERT_DOWN: ByRows = &[
     "shared_expert_down_t1",
     "shared_expert_down_t2",
     "shared_expert_down_t4",
-    "shared_expert_down_t8",
-    "shared_expert_down_t16",
 ];
 
-/// The entry point for a launch over `rows` rows: the smallest tile of 1, 2, 4, 8, 16 covering them (16 beyond;
-/// the kernel loops over tiles). Row invariance does not depend on the choice: a row's arithmetic is the same in
-/// every tile.
 /// The row tile of the entry point `by_rows` picks for `rows` rows.
 fn tile_of(rows: u32) -> u32 {
     match rows {
@@ -164,8 +137,8 @@ fn tile_of(rows: u32) -> u32 {
 }
 
 /// Most rows per block for the kernels that also spread row tiles over blocks (`blockIdx.y`: hc_read,
-/// hc_read_mix, shared_expert, shared_expert_down, and the router's logits when router_topk follows): beyond it they take tiles of this many rows, one grid row of
-/// blocks per tile, instead of one block walking every tile (each lane's activation loads for all the rows of a
+/// hc_read_mix, shared_expert, shared_expert_down, and the router's logits when router_topk follows): beyond it
+/// they take tiles of this many rows (their entry points stop at t4), one grid row of blocks per tile, instead of one block walking every tile (each lane's activation loads for all the rows of a
 /// tile wait in turn; the weights, at most 13 MB, are read again per tile mostly from L2). The tile never changes
 /// a row's arithmetic.
 const ROW_TILE_MAX: u32 = 4;
@@ -179,14 +152,18 @@ fn by_row_tiles(names: ByRows, rows: u32) -> (&'static str, u32) {
     )
 }
 
+/// The entry point for a launch over `rows` rows: the smallest tile of 1, 2, 4, 8, 16 covering them, or the
+/// largest the kernel has (the kernel loops over tiles). Row invariance does not depend on the choice: a row's
+/// arithmetic is the same in every tile.
 fn by_rows(names: ByRows, rows: u32) -> &'static str {
-    match rows {
-        0..=1 => names[0],
-        2 => names[1],
-        3..=4 => names[2],
-        5..=8 => names[3],
-        _ => names[4],
-    }
+    let i = match rows {
+        0..=1 => 0,
+        2 => 1,
+        3..=4 => 2,
+        5..=8 => 3,
+        _ => 4,
+    };
+    names[i.min(names.len() - 1)]
 }
 
 /// Block size of `router_topk` (`ROUTER_TOPK_THREADS` in `kernels/moe.cu`: the softmax's block trees, which the
@@ -198,6 +175,9 @@ const ROUTER_TOPK_THREADS: u32 = 1024;
 /// for the replay's four routers), slower at 16 rows (238 against 218 us), where `router_topk`'s block per row
 /// follows instead.
 const ROUTER_ONE_LAUNCH_ROWS: u32 = 8;
+
+/// Most routed experts per row (`MOE_MAX_TOPK` in `kernels/moe.cu`).
+const MOE_MAX_TOPK: u32 = 32;
 
 /// Vocabulary slices of `sample_part` (`SAMPLE_PARTS` in `kernels/sample.cu`).
 const SAMPLE_PARTS: u32 = 64;
@@ -251,7 +231,7 @@ pub(crate) fn tc_split(k: u32, n: u32) -> u32 {
 }
 
 /// `linear_mxfp8` entry points per row tile (kernels/mxfp8.cu).
-const LINEAR_MXFP8: ByRows = [
+const LINEAR_MXFP8: ByRows = &[
     "linear_mxfp8_t1",
     "linear_mxfp8_t2",
     "linear_mxfp8_t4",
@@ -341,7 +321,7 @@ fn linear_params(a: &Addrs, v: &Variant, op: &Op) -> Result<(FpLinear, u32, u32)
 }
 
 /// `linear_multi` entry points per row tile (kernels/linear.cu).
-const LINEAR_MULTI: ByRows = [
+const LINEAR_MULTI: ByRows = &[
     "linear_multi_t1",
     "linear_multi_t2",
     "linear_multi_t4",
@@ -658,10 +638,10 @@ pub(crate) fn spec(
             dilation,
             eps,
         } => {
-            if window > 256 || *hc > 16 {
-                return Err(BackendError::Device(
-                    "ple_mix: window > 256 or hc > 16 is not supported".into(),
-                ));
+            if window > 65_535 || *hc > 65_535 {
+                return Err(BackendError::Device(format!(
+                    "ple_mix: {window} rows per stream or {hc} hyper-connections is over the launch grid's 65535"
+                )));
             }
             let p = FpPleMix {
                 c,
@@ -1079,8 +1059,20 @@ pub(crate) fn spec(
                 inter: *inter,
                 pad: 0,
             };
-            let items = rows as u64 * *topk as u64 * inter.div_ceil(2) as u64;
-            one("experts", bytes(&p), items.div_ceil(8) as u32, 256).then(
+            // A warp per (feature, row, rank); beyond one row the rows routed to one expert are grouped (tiles of 4
+            // rows per read of its gate and up rows, kernels/moe.cu `experts_gate_up`).
+            let items = rows as u64 * *topk as u64 * *inter as u64;
+            if *topk > MOE_MAX_TOPK {
+                return Err(BackendError::Device(format!(
+                    "experts: top-{topk} is not supported (at most {MOE_MAX_TOPK})"
+                )));
+            }
+            let gate_up = if rows <= 1 {
+                "experts_t1"
+            } else {
+                "experts_t4"
+            };
+            one(gate_up, bytes(&p), items.div_ceil(8) as u32, 256).then(
                 "experts_down",
                 (rows * *dim).div_ceil(8),
                 256,

@@ -592,7 +592,7 @@ struct Worker {
     pdl: bool,
     /// Launch runs of sibling linears as one `linear_multi` (`FLASHPLAN_FUSE_LINEAR`, default on).
     fuse_linear: bool,
-    /// The router in one launch and hc_read in two (`FLASHPLAN_FUSE_SMALL`, default on).
+    /// The router in one launch up to 8 rows (`FLASHPLAN_FUSE_SMALL`, default on).
     fuse_small: bool,
     modules: Vec<sys::CUmodule>,
     rope_cfg: Rope,
