@@ -219,30 +219,16 @@ struct Bf16Row {
 // l*8 + 256 j, U chunks of every weight row in flight at a time; per (m, t) the lane sums its chunks in ascending k
 // (dot8 each), then a fixed warp tree. The arithmetic of one (m, t) never depends on T, NPW, U, nm or the other
 // rows (row invariance), nor on the weight format beyond the values it decodes.
-// The activation rows as `xa.row(t)` (StridedX: X + t * xs; RowPtrs: any rows), `xa.vec` when every row is 16-byte
-// aligned at every chunk; warp_dots_rows (below) is the strided form.
-struct StridedX {
-    const float* X;
-    u64 xs;
-    bool vec;
-    DEV const float* row(int t) const { return X + (u64)t * xs; }
-};
-template <int T>
-struct RowPtrs {
-    const float* p[T];
-    bool vec;
-    DEV const float* row(int t) const { return p[t]; }
-};
-template <int T, int NPW, int U, class Row, class XA>
-DEV void warp_dots_x(const Row* w, u32 nm, const XA& xa, const bool* ok, u32 K, bool wvec, u32 lane,
-                     float (&res)[NPW][T]) {
+template <int T, int NPW, int U, class Row>
+DEV void warp_dots_rows(const Row* w, u32 nm, const float* X, u64 xs, const bool* ok, u32 K, bool wvec, u32 lane,
+                        float (&res)[NPW][T]) {
     float acc[NPW][T];
 #pragma unroll
     for (int m = 0; m < NPW; m++)
 #pragma unroll
         for (int t = 0; t < T; t++) acc[m][t] = 0.0f;
     if (wvec) {
-        const bool xvec = xa.vec;
+        const bool xvec = ((((u64)X) | (xs * 4)) & 15) == 0;
         for (u32 kb = lane * 8; kb < K; kb += 256 * U) {
             typename Row::raw_t wv[U][NPW];
 #pragma unroll
@@ -263,7 +249,7 @@ DEV void warp_dots_x(const Row* w, u32 nm, const XA& xa, const bool* ok, u32 K, 
                     for (int t = 0; t < T; t++) {
                         if (!ok[t]) continue;
                         float x[8];
-                        load_x8(xa.row(t) + kk, xvec, x);
+                        load_x8(X + (u64)t * xs + kk, xvec, x);
 #pragma unroll
                         for (int m = 0; m < NPW; m++) acc[m][t] += dot8(f[m], x);
                     }
@@ -278,7 +264,7 @@ DEV void warp_dots_x(const Row* w, u32 nm, const XA& xa, const bool* ok, u32 K, 
                 const float wv = w[m].at(kk);
 #pragma unroll
                 for (int t = 0; t < T; t++)
-                    if (ok[t]) acc[m][t] = fmaf(wv, xa.row(t)[kk], acc[m][t]);
+                    if (ok[t]) acc[m][t] = fmaf(wv, X[(u64)t * xs + kk], acc[m][t]);
             }
         }
     }
@@ -286,15 +272,6 @@ DEV void warp_dots_x(const Row* w, u32 nm, const XA& xa, const bool* ok, u32 K, 
     for (int m = 0; m < NPW; m++)
 #pragma unroll
         for (int t = 0; t < T; t++) res[m][t] = warp_sum(acc[m][t]);
-}
-template <int T, int NPW, int U, class Row>
-DEV void warp_dots_rows(const Row* w, u32 nm, const float* X, u64 xs, const bool* ok, u32 K, bool wvec, u32 lane,
-                        float (&res)[NPW][T]) {
-    StridedX xa;
-    xa.X = X;
-    xa.xs = xs;
-    xa.vec = ((((u64)X) | (xs * 4)) & 15) == 0;
-    warp_dots_x<T, NPW, U>(w, nm, xa, ok, K, wvec, lane, res);
 }
 // warp_dots_rows over BF16 rows given by their first weights.
 template <int T, int NPW, int U>

@@ -4,9 +4,9 @@
 //   to finish (integer count in the node's `done` counter) does the top-k of every row, warp per row (softmax,
 //   repeated argmax with the lowest index on ties, renormalised in rank order). With done == 0 (FLASHPLAN_FUSE_SMALL=0)
 //   router_topk does the same as a second launch (block per row, radix select): the same values bit for bit;
-// - experts_t1 / experts_t4 (warp per (intermediate feature, row, rank), feature-major, rows routed to one expert
-//   grouped under the first: silu(gate x) * up x into scratch) then experts_down (warp per (output feature, row):
-//   four groups of 8 lanes take the ranks, summed in rank order);
+// - experts (warp per (pair of intermediate features, row, rank), feature-major: silu(gate x) * up x into scratch)
+//   then experts_down (warp per (output feature, row): four groups of 8 lanes take the ranks, summed in rank
+//   order); feature-major, so rows routed to one expert read its rows side by side (the repeats from L2);
 // - shared_expert (warp per intermediate feature, tiles of at most 4 rows over blockIdx.y; the sigmoid gate by one
 //   more warp) then shared_expert_down (warp per 2 output features; out += gate * down).
 // The routed experts are chosen on the device, so one graph serves any routing. Every value's reduction order is
@@ -227,86 +227,39 @@ extern "C" __global__ void router_topk(const FpRouter p) {
     }
 }
 
-// hid[r, i, q] = silu(gate_e x_r) * (up_e x_r), e = ids[r, i]. Warp per (feature q, entry j = r * topk + i),
-// feature-major. Rows grouped by expert: the warp of entry j leads when no earlier real row routes to e (else that
-// row's warp has it); the leader takes every entry routing to e from j on (ranks are distinct within a row, so at
-// most one per row), in entry order, tiles of T rows reading gate_e[q] and up_e[q] once per tile for all of them
-// (`warp_dots_x` over the member rows: a row's arithmetic is the same in any tile, alone or grouped). Other warps
-// of the same entry skip. T == 1 (one row per launch) has no grouping to do.
-// One tile of a leader's member entries mem[0 .. n) (n <= T): hid[j, q] for each, gate and up rows read once.
-template <int T>
-DEV void experts_tile(const FpExperts& p, const Bf16Row (&w)[2], u32 q, const u32* mem, u32 n, bool wvec, bool xvec,
-                      u32 lane) {
-    const u32 D = p.dim, I = p.inter;
-    RowPtrs<T> xa;
-    xa.vec = xvec;
-    bool ok[T];
-#pragma unroll
-    for (int t = 0; t < T; t++) {
-        ok[t] = (u32)t < n;
-        xa.p[t] = fptr(p.x) + (u64)(ok[t] ? mem[t] / p.topk : 0) * D;
-    }
-    float res[2][T];
-    warp_dots_x<T, 2, 4>(w, 2, xa, ok, D, wvec, lane, res);
-    if (lane == 0)
-#pragma unroll
-        for (int t = 0; t < T; t++)
-            if (ok[t]) fptr(p.c.scratch)[(u64)mem[t] * I + q] = siluf_(res[0][t]) * res[1][t];
-}
-
-template <int T>
-DEV void experts_gate_up(const FpExperts& p) {
-    __shared__ u32 mem_sh[8][T];
+// hid[r, i, q] = silu(gate_e x_r) * (up_e x_r), e = ids[r, i]; warp per (pair of q, r, i).
+extern "C" __global__ void experts(const FpExperts p) {
+    pdl_start();
     const FpCommon& c = p.c;
     const u32 R = c.nstreams * c.window;
-    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 lane = threadIdx.x & 31;
     const u32 gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const u32 nwarps = (gridDim.x * blockDim.x) >> 5;
     const u32 D = p.dim, I = p.inter;
-    const u32* ids = uptr(p.ids);
-    const u32 RK = R * p.topk;
-    const u64 items = (u64)RK * I;
+    const u32 pairs = (I + 1) / 2;
+    const u64 items = (u64)R * p.topk * pairs;
     const bool wvec = (D & 7) == 0 && (p.gate_up & 15) == 0;
-    const bool xvec = ((p.x & 15) == 0) && (D & 3) == 0;
-    u32* mem = mem_sh[warp];
     for (u64 it = gw; it < items; it += nwarps) {
-        const u32 q = (u32)(it / RK), j0 = (u32)(it % RK);
-        if (!row_ok(c, j0 / p.topk, false)) continue;
-        const u32 e = ids[j0];
-        bool earlier = false;
-        for (u32 j = lane; j < j0 - j0 % p.topk; j += 32) earlier |= ids[j] == e && row_ok(c, j / p.topk, false);
-        if (__any_sync(FULL_MASK, earlier)) continue;
+        // Pair-major: the warps of one feature pair over every (row, rank) run side by side, so rows routed to the
+        // same expert read its weight rows together (one DRAM read, the others from L2).
+        const u32 q0 = (u32)(it / ((u64)R * p.topk)) * 2;
+        const u32 rest = (u32)(it % ((u64)R * p.topk));
+        const u32 r = rest / p.topk, i = rest % p.topk;
+        if (!row_ok(c, r, false)) continue;
+        const u32 e = uptr(p.ids)[(u64)r * p.topk + i];
         const bf16_t* gu = (const bf16_t*)p.gate_up + (u64)e * 2 * I * D;
-        Bf16Row w[2];
-        w[0].p = gu + (u64)q * D;
-        w[1].p = gu + (u64)(I + q) * D;
-        u32 n = 0;
-        for (u32 jb = j0; jb < RK; jb += 32) {
-            const u32 j = jb + lane;
-            const bool m = j < RK && ids[j] == e && (j == j0 || row_ok(c, j / p.topk, false));
-            u32 mask = __ballot_sync(FULL_MASK, m);
-            while (mask) {
-                const u32 b = __ffs(mask) - 1;
-                mask &= mask - 1;
-                if (lane == 0) mem[n] = jb + b;
-                n++;
-                if (n == (u32)T) {
-                    __syncwarp();
-                    experts_tile<T>(p, w, q, mem, n, wvec, xvec, lane);
-                    __syncwarp();
-                    n = 0;
-                }
-            }
-        }
-        if (n > 0) {
-            __syncwarp();
-            experts_tile<T>(p, w, q, mem, n, wvec, xvec, lane);
-            __syncwarp();
+        const u32 q1 = q0 + 1 < I ? q0 + 1 : q0;
+        const bf16_t* w[4] = {gu + (u64)q0 * D, gu + (u64)(I + q0) * D, gu + (u64)q1 * D, gu + (u64)(I + q1) * D};
+        const bool ok[1] = {true};
+        float res[4][1];
+        warp_dots<1, 4, 4>(w, 4, fptr(p.x) + (u64)r * D, D, ok, D, wvec, lane, res);
+        float* hid = fptr(c.scratch) + ((u64)r * p.topk + i) * I;
+        if (lane == 0) {
+            hid[q0] = siluf_(res[0][0]) * res[1][0];
+            if (q0 + 1 < I) hid[q0 + 1] = siluf_(res[2][0]) * res[3][0];
         }
     }
 }
-extern "C" __global__ void experts_t1(const FpExperts p) { pdl_start(); experts_gate_up<1>(p); }
-extern "C" __global__ void experts_t4(const FpExperts p) { pdl_start(); experts_gate_up<4>(p); }
 
 // out[r, d] = sum over ranks i in order of weights[r, i] * down_e[d] . hid[r, i]; warp per (d, r), lane group g
 // (8 lanes) takes ranks g, g + 4, ...

@@ -1059,20 +1059,13 @@ pub(crate) fn spec(
                 inter: *inter,
                 pad: 0,
             };
-            // A warp per (feature, row, rank); beyond one row the rows routed to one expert are grouped (tiles of 4
-            // rows per read of its gate and up rows, kernels/moe.cu `experts_gate_up`).
-            let items = rows as u64 * *topk as u64 * *inter as u64;
             if *topk > MOE_MAX_TOPK {
                 return Err(BackendError::Device(format!(
                     "experts: top-{topk} is not supported (at most {MOE_MAX_TOPK})"
                 )));
             }
-            let gate_up = if rows <= 1 {
-                "experts_t1"
-            } else {
-                "experts_t4"
-            };
-            one(gate_up, bytes(&p), items.div_ceil(8) as u32, 256).then(
+            let items = rows as u64 * *topk as u64 * inter.div_ceil(2) as u64;
+            one("experts", bytes(&p), items.div_ceil(8) as u32, 256).then(
                 "experts_down",
                 (rows * *dim).div_ceil(8),
                 256,
