@@ -9,7 +9,7 @@ template <int T>
 DEV void linear_entry(const FpLinear& p, u32 block, u32 nblocks) {
     const u32 total = linear_total(p.c, p.sub, p.gathered);
     const bool wvec = (p.k & 7) == 0 && (p.w & 15) == 0;
-    linear_tc_rows<T, 4>(p.c, (const bf16_t*)p.w, wvec, linear_args(p), total, block, nblocks);
+    linear_tc_rows<T, 4>(p, wvec, total, block, nblocks);
 }
 extern "C" __global__ void linear_t1(const FpLinear p) { pdl_start(); linear_entry<1>(p, blockIdx.x, gridDim.x); }
 extern "C" __global__ void linear_t2(const FpLinear p) { pdl_start(); linear_entry<2>(p, blockIdx.x, gridDim.x); }

@@ -3,27 +3,6 @@
 #pragma once
 #include "common.cuh"
 
-// What a linear launch computes besides its weights (FpLinear's other fields).
-struct LinearArgs {
-    u64 x, out;
-    u32 k, n, sub, accumulate, gathered, split;
-};
-
-// LinearArgs from a parameter struct with those fields (FpLinear).
-template <class P>
-DEV LinearArgs linear_args(const P& p) {
-    LinearArgs a;
-    a.x = p.x;
-    a.out = p.out;
-    a.k = p.k;
-    a.n = p.n;
-    a.sub = p.sub;
-    a.accumulate = p.accumulate;
-    a.gathered = p.gathered;
-    a.split = p.split;
-    return a;
-}
-
 // Rows to compute in a launch of this shape: every sub-row of every row (or of every stream's row when gathered).
 DEV u32 linear_total(const FpCommon& c, u32 sub, u32 gathered) {
     return (gathered ? c.nstreams : c.nstreams * c.window) * sub;
@@ -113,9 +92,10 @@ DEV void tc_step(float (&acc)[3][4], const uint4& wa, const uint4& wb, const flo
 // T is the row tile (1, 2, 4, 8 or 16: one or two n-tiles), U the steps of loads in flight. wvec: K % 8 == 0 and
 // the weights 16-byte aligned.
 template <int T, int U>
-DEV void linear_tc_rows(const FpCommon& c, const bf16_t* W, bool wvec, const LinearArgs& a, u32 total, u32 block,
-                        u32 nblocks) {
+DEV void linear_tc_rows(const FpLinear& a, bool wvec, u32 total, u32 block, u32 nblocks) {
     constexpr int NT = (T + 7) / 8;
+    const FpCommon& c = a.c;
+    const bf16_t* W = (const bf16_t*)a.w;
     __shared__ float part[SPLIT_WARPS][16][T];
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 g = lane >> 2, q = lane & 3;

@@ -125,45 +125,37 @@ const SHARED_EXPERT_DOWN: ByRows = &[
     "shared_expert_down_t4",
 ];
 
-/// The row tile of the entry point `by_rows` picks for `rows` rows.
-fn tile_of(rows: u32) -> u32 {
-    match rows {
-        0..=1 => 1,
-        2 => 2,
-        3..=4 => 4,
-        5..=8 => 8,
-        _ => 16,
-    }
-}
-
 /// Most rows per block for the kernels that also spread row tiles over blocks (`blockIdx.y`: hc_read,
 /// hc_read_mix, shared_expert, shared_expert_down, and the router's logits when router_topk follows): beyond it
-/// they take tiles of this many rows (their entry points stop at t4), one grid row of blocks per tile, instead of one block walking every tile (each lane's activation loads for all the rows of a
-/// tile wait in turn; the weights, at most 13 MB, are read again per tile mostly from L2). The tile never changes
-/// a row's arithmetic.
+/// they take tiles of this many rows (their entry points stop at t4), one grid row of blocks per tile, instead of
+/// one block walking every tile (each lane's activation loads for all the rows of a tile wait in turn; the
+/// weights, at most 13 MB, are read again per tile mostly from L2). The tile never changes a row's arithmetic.
 const ROW_TILE_MAX: u32 = 4;
 
 /// Entry point and grid rows for a kernel over `rows` rows in tiles of at most [`ROW_TILE_MAX`] rows.
 fn by_row_tiles(names: ByRows, rows: u32) -> (&'static str, u32) {
-    let capped = rows.min(ROW_TILE_MAX);
-    (
-        by_rows(names, capped),
-        rows.div_ceil(tile_of(capped)).max(1),
-    )
+    let (name, tile) = by_rows_tile(names, rows.min(ROW_TILE_MAX));
+    (name, rows.div_ceil(tile).max(1))
 }
 
 /// The entry point for a launch over `rows` rows: the smallest tile of 1, 2, 4, 8, 16 covering them, or the
 /// largest the kernel has (the kernel loops over tiles). Row invariance does not depend on the choice: a row's
 /// arithmetic is the same in every tile.
 fn by_rows(names: ByRows, rows: u32) -> &'static str {
+    by_rows_tile(names, rows).0
+}
+
+/// [`by_rows`]'s entry point and its row tile (1, 2, 4, 8 or 16).
+fn by_rows_tile(names: ByRows, rows: u32) -> (&'static str, u32) {
     let i = match rows {
         0..=1 => 0,
         2 => 1,
         3..=4 => 2,
         5..=8 => 3,
         _ => 4,
-    };
-    names[i.min(names.len() - 1)]
+    }
+    .min(names.len() - 1);
+    (names[i], 1 << i)
 }
 
 /// Block size of `router_topk` (`ROUTER_TOPK_THREADS` in `kernels/moe.cu`: the softmax's block trees, which the
