@@ -50,7 +50,8 @@
 //!   would read).
 //!
 //! Usage (the H200 has no NVRTC: the cubins come from `FLASHPLAN_KERNEL_CACHE`, see `scripts/gpu_bench.sh`):
-//! `gpu_bench [--layers N] [--iters N] [--verify] [--streams] [--windows] [--drafter] [--all] [--list]`.
+//! `gpu_bench [--layers N] [--iters N] [--verify] [--streams] [--windows] [--drafter] [--all] [--list] [--nodes]`.
+//! `--nodes` prints every node of lone-w1 and lone-w16 in plan order with its time (instead of the 12 largest).
 //! `--all` = `--verify --streams --windows --drafter`. `--list` needs no GPU: it prints the node list and bytes,
 //! and for the chosen tables their byte counts (the distinct experts bounded: top-k per MoE layer when every row
 //! routes alike, `min(rows x top-k, experts)` when no two rows share an expert; exact for one row).
@@ -719,6 +720,7 @@ fn main() -> anyhow::Result<()> {
     let streams_t = all || flag("--streams");
     let windows_t = all || flag("--windows");
     let drafter_t = all || flag("--drafter");
+    let all_nodes = flag("--nodes");
     let cfg = config(layers)?;
     let opts = CompileOptions {
         arch: if list { "cpu".into() } else { "sm_90a".into() },
@@ -991,9 +993,12 @@ fn main() -> anyhow::Result<()> {
         }
         let v = body.variant(*kind).unwrap();
         let mut top: Vec<(usize, f64)> = r.nodes_us.iter().copied().enumerate().collect();
-        top.sort_by(|a, b| b.1.total_cmp(&a.1));
-        println!("largest nodes:");
-        for (i, t) in top.iter().take(12) {
+        if !all_nodes {
+            top.sort_by(|a, b| b.1.total_cmp(&a.1));
+            top.truncate(12);
+        }
+        println!("{}:", if all_nodes { "nodes" } else { "largest nodes" });
+        for (i, t) in &top {
             let n = &v.nodes[*i];
             let what = match &n.op {
                 Op::Linear { k, n: nn, .. } => format!(" {k}x{nn}"),

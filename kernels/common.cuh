@@ -21,8 +21,8 @@ typedef unsigned short bf16_t;
 // be scheduled now (its blocks take free slots and wait), then waits until the previous kernel has completed and its
 // memory is visible. Launched without the PDL attribute both are no-ops.
 DEV void pdl_start() {
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
 DEV float bf2f(bf16_t h) { return __uint_as_float(((u32)h) << 16); }
@@ -190,6 +190,8 @@ DEV float dot8(const float* w, const float* x) {
     for (int e = 1; e < 8; e++) s = fmaf(w[e], x[e], s);
     return s;
 }
+// The hyper-connection write of one element, h + inj * y as one fused multiply-add (hc_write, hc_write_norm).
+DEV float hc_write_value(float h, float inj, float y) { return fmaf(inj, y, h); }
 // Whether row r (or stream r when gathered) is real.
 DEV bool row_ok(const FpCommon& c, u32 r, bool gathered) {
     if (gathered) return stream_of(c, r).rows > 0;

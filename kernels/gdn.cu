@@ -1,6 +1,8 @@
 // GatedDeltaNet: gdn_conv (causal depthwise conv + SiLU), gdn_recur (recurrence over the window from the slot's
 // state, state untouched), gdn_commit (replays the kept rows into the state with the same update, and shifts the
 // conv state). recur and commit share gdn_update_q, so a committed state is bit-identical to plain decoding's.
+// Windows of one row always keep their row: there gdn_conv shifts the conv state and gdn_recur writes the state
+// itself, and gdn_commit is not launched (one launch and one read of the state fewer per GDN layer).
 #include "common.cuh"
 
 #define GDN_MAX_DK 128
@@ -23,6 +25,15 @@ extern "C" __global__ void gdn_conv(const FpGdnConv p) {
                     acc += bfw(p.w, (u64)ch * p.kernel + t) * x;
                 }
                 fptr(p.out)[((u64)s * c.window + j) * p.channels + ch] = siluf_(acc);
+            }
+            // Window of one row: its row is always kept (keep_count: keep = rows), so this thread shifts its
+            // channel's conv state here, exactly as gdn_commit would with keep = 1 (gdn_commit is not launched for
+            // such variants: `commit_in_window_one`, runtime/src/cuda/launch.rs). Padding streams (rows 0) write nothing.
+            if (c.window == 1 && st.rows == 1) {
+                float* cs = state_of(c, st.slot, p.state);
+                for (u32 i = 0; i < K1; i++)
+                    cs[(u64)i * p.channels + ch] = i + 1 < K1 ? cs[(u64)(i + 1) * p.channels + ch]
+                                                               : fptr(p.x)[(u64)s * c.window * p.channels + ch];
             }
         }
     }
@@ -120,6 +131,14 @@ extern "C" __global__ void gdn_recur(const FpGdnRecur p) {
             srow[p.hk * p.dk + p.hv * p.dv + p.hv + h] = beta;
         }
         __syncthreads();
+    }
+    // Window of one row: the row is always kept, so the updated state is the committed one (gdn_commit's replay of
+    // the same update from the same state gives the same bits); written here and gdn_commit is not launched.
+    if (c.window == 1 && st.rows == 1 && own) {
+        float* out_state = state_of(c, st.slot, p.state) + h * dkdv;
+#pragma unroll
+        for (u32 i = 0; i < GDN_QD; i++)
+            if (i < n) out_state[(u64)(i0 + i) * p.dv + e] = S[i];
     }
 }
 

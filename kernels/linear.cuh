@@ -74,19 +74,37 @@ DEV void tc_load_batch(uint4 (&wv)[U][2], const bf16_t* wa, const bf16_t* wb, u3
         wv[u][1] = in ? load_w8(wb, kk, K, wvec) : zero4();
     }
 }
-// One step of 32 values: the lane's 8 weights of rows g (wa) and g + 8 (wb) against its 8 activations x, split into
-// hi, mid and lo, each term into its own accumulator. MMA 0 takes the weight pairs (0, 1), (2, 3); MMA 1 (4, 5), (6, 7).
-DEV void tc_step(float (&acc)[3][4], const uint4& wa, const uint4& wb, const float (&x)[8]) {
+// The three BF16 terms of 8 activations as MMA B fragments: xt[e] (e = 0 hi, 1 mid, 2 lo) holds the pairs
+// (0, 1), (2, 3) (MMA 0's b0, b1) and (4, 5), (6, 7) (MMA 1's).
+DEV void tc_split_x(const float (&x)[8], uint4 (&xt)[3]) {
     float h[8], m[8], l[8];
 #pragma unroll
     for (int e = 0; e < 8; e++) split3(x[e], h[e], m[e], l[e]);
-    mma_bf16_16816(acc[0], wa.x, wb.x, wa.y, wb.y, pack_bf16x2(h[0], h[1]), pack_bf16x2(h[2], h[3]));
-    mma_bf16_16816(acc[1], wa.x, wb.x, wa.y, wb.y, pack_bf16x2(m[0], m[1]), pack_bf16x2(m[2], m[3]));
-    mma_bf16_16816(acc[2], wa.x, wb.x, wa.y, wb.y, pack_bf16x2(l[0], l[1]), pack_bf16x2(l[2], l[3]));
-    mma_bf16_16816(acc[0], wa.z, wb.z, wa.w, wb.w, pack_bf16x2(h[4], h[5]), pack_bf16x2(h[6], h[7]));
-    mma_bf16_16816(acc[1], wa.z, wb.z, wa.w, wb.w, pack_bf16x2(m[4], m[5]), pack_bf16x2(m[6], m[7]));
-    mma_bf16_16816(acc[2], wa.z, wb.z, wa.w, wb.w, pack_bf16x2(l[4], l[5]), pack_bf16x2(l[6], l[7]));
+    xt[0] = make_uint4(pack_bf16x2(h[0], h[1]), pack_bf16x2(h[2], h[3]), pack_bf16x2(h[4], h[5]), pack_bf16x2(h[6], h[7]));
+    xt[1] = make_uint4(pack_bf16x2(m[0], m[1]), pack_bf16x2(m[2], m[3]), pack_bf16x2(m[4], m[5]), pack_bf16x2(m[6], m[7]));
+    xt[2] = make_uint4(pack_bf16x2(l[0], l[1]), pack_bf16x2(l[2], l[3]), pack_bf16x2(l[4], l[5]), pack_bf16x2(l[6], l[7]));
 }
+// One step of 32 values: the lane's 8 weights of rows g (wa) and g + 8 (wb) against the three terms of its 8
+// activations (`tc_split_x`), each term into its own accumulator. MMA 0 takes the weight pairs (0, 1), (2, 3);
+// MMA 1 (4, 5), (6, 7).
+DEV void tc_step_split(float (&acc)[3][4], const uint4& wa, const uint4& wb, const uint4 (&xt)[3]) {
+#pragma unroll
+    for (int e = 0; e < 3; e++) mma_bf16_16816(acc[e], wa.x, wb.x, wa.y, wb.y, xt[e].x, xt[e].y);
+#pragma unroll
+    for (int e = 0; e < 3; e++) mma_bf16_16816(acc[e], wa.z, wb.z, wa.w, wb.w, xt[e].z, xt[e].w);
+}
+// tc_step_split on 8 activations split here.
+DEV void tc_step(float (&acc)[3][4], const uint4& wa, const uint4& wb, const float (&x)[8]) {
+    uint4 xt[3];
+    tc_split_x(x, xt);
+    tc_step_split(acc, wa, wb, xt);
+}
+
+// A lone activation row (T = 1, one row in the launch) split once per block instead of once per step and m-tile:
+// its three terms in MMA fragment form, [step][q][term] (`tc_split_x` of x[32 step + 8 q ..]), for K of at most
+// TC_LONE_STEPS steps of 32 (the static shared memory: 192 bytes per step). The MMAs take the same registers as
+// from `tc_step`, so the results are the same bits.
+#define TC_LONE_STEPS 224
 
 // Blocks block, block + nblocks, ... of a launch of nblocks blocks, each (8 / S) m-tiles of 16 output features;
 // T is the row tile (1, 2, 4, 8 or 16: one or two n-tiles), U the steps of loads in flight. wvec: K % 8 == 0 and
@@ -108,6 +126,20 @@ DEV void linear_tc_rows(const FpLinear& a, bool wvec, u32 total, u32 block, u32 
     const float* X = fptr(a.x);
     float* O = fptr(a.out);
     const bool xvec = ((u64)X & 15) == 0 && (a.k & 3) == 0;
+    // T = 1 with one row: the block splits the row into shared memory once (tc_split_x).
+    __shared__ uint4 xs[T == 1 ? TC_LONE_STEPS * 12 : 1];
+    const bool lone = T == 1 && total == 1 && steps <= TC_LONE_STEPS && row_ok(c, 0, a.gathered);
+    if (lone) {
+        for (u32 j = threadIdx.x; j < steps * 4; j += blockDim.x) {
+            float x[8];
+            load_x8_k(X, (j / 4) * 32 + (j % 4) * 8, a.k, xvec, x);
+            uint4 xt[3];
+            tc_split_x(x, xt);
+#pragma unroll
+            for (int e = 0; e < 3; e++) xs[j * 3 + e] = xt[e];
+        }
+        __syncthreads();
+    }
     for (u32 nb0 = block * per_block; nb0 < a.n; nb0 += nblocks * per_block) {
         const u32 n0 = nb0 + grp * 16;
         // Feature rows g and g + 8 of the m-tile (rows past n read row 0 and are never written).
@@ -128,24 +160,40 @@ DEV void linear_tc_rows(const FpLinear& a, bool wvec, u32 total, u32 block, u32 
 #pragma unroll
                     for (int r = 0; r < 4; r++) acc[nt][e][r] = 0.0f;
             }
-            // Batches of U steps: the batch's weight loads all in flight, then its MMAs.
-            for (u32 st = s0; st < s1; st += U) {
-                uint4 wv[U][2];
-                tc_load_batch<U>(wv, wa, wb, st, s1, q, a.k, wvec);
+            if (lone) {
+                // Only column 0 (lanes g = 0) carries the row; the other columns are zeros, as in tc_step.
+                for (u32 st = s0; st < s1; st += U) {
+                    uint4 wv[U][2];
+                    tc_load_batch<U>(wv, wa, wb, st, s1, q, a.k, wvec);
 #pragma unroll
-                for (int u = 0; u < U; u++) {
-                    if (st + u >= s1) break;
-                    const u32 kk = (st + u) * 32 + q * 8;
+                    for (int u = 0; u < U; u++) {
+                        if (st + u >= s1) break;
+                        uint4 xt[3];
 #pragma unroll
-                    for (int nt = 0; nt < NT; nt++) {
-                        float x[8];
-                        if (okc[nt]) {
-                            load_x8_k(xr[nt], kk, a.k, xvec, x);
-                        } else {
+                        for (int e = 0; e < 3; e++) xt[e] = g == 0 ? xs[((st + u) * 4 + q) * 3 + e] : zero4();
+                        tc_step_split(acc[0], wv[u][0], wv[u][1], xt);
+                    }
+                }
+            } else {
+                // Batches of U steps: the batch's weight loads all in flight, then its MMAs.
+                for (u32 st = s0; st < s1; st += U) {
+                    uint4 wv[U][2];
+                    tc_load_batch<U>(wv, wa, wb, st, s1, q, a.k, wvec);
 #pragma unroll
-                            for (int e = 0; e < 8; e++) x[e] = 0.0f;
+                    for (int u = 0; u < U; u++) {
+                        if (st + u >= s1) break;
+                        const u32 kk = (st + u) * 32 + q * 8;
+#pragma unroll
+                        for (int nt = 0; nt < NT; nt++) {
+                            float x[8];
+                            if (okc[nt]) {
+                                load_x8_k(xr[nt], kk, a.k, xvec, x);
+                            } else {
+#pragma unroll
+                                for (int e = 0; e < 8; e++) x[e] = 0.0f;
+                            }
+                            tc_step(acc[nt], wv[u][0], wv[u][1], x);
                         }
-                        tc_step(acc[nt], wv[u][0], wv[u][1], x);
                     }
                 }
             }

@@ -63,6 +63,60 @@ extern "C" __global__ void gated_norm(const FpGatedNorm p) {
 DEV u32 hc_rows(const FpHcRead& p) { return p.gathered ? p.c.nstreams : p.c.nstreams * p.c.window; }
 
 #define HCN_PER 16
+// One group (hyper-connection) of one row normalised by a block: xv[u] holds element threadIdx.x + blockDim.x u
+// (zeros past dim; dim <= HCN_PER blockDim.x). y = x / sqrt(mean(x^2) + eps) * (1 + w[cc dim ..]). Shared by hc_norm
+// and hc_write_norm, so both give the same bits.
+DEV void hc_norm_group(const float (&xv)[HCN_PER], u64 norm, u32 cc, u32 dim, float eps, float* sh, float* y) {
+    float nv[HCN_PER];
+#pragma unroll
+    for (int u = 0; u < HCN_PER; u++) {
+        const u32 i = threadIdx.x + blockDim.x * u;
+        nv[u] = i < dim ? bfw(norm, cc * dim + i) : 0.0f;
+    }
+    float ss = 0.0f;
+#pragma unroll
+    for (int u = 0; u < HCN_PER; u++) ss += xv[u] * xv[u];
+    ss = block_sum(ss, sh);
+    const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+#pragma unroll
+    for (int u = 0; u < HCN_PER; u++) {
+        const u32 i = threadIdx.x + blockDim.x * u;
+        if (i < dim) y[i] = xv[u] * inv * (1.0f + nv[u]);
+    }
+}
+
+// hc_write (rows.cu) fused with the hc_norm of the hc_read that follows it on the same h (`FLASHPLAN_FUSE_SMALL`,
+// runtime/src/cuda/launch.rs `fuse_hc_norm`): block per (row, hyper-connection) of 256 threads, dim <= HCN_PER * 256.
+// h[r, c*D + d] = h + inj[r, c] * y[r, d] (hc_write_value), then Hn of the new h into scratch exactly as hc_norm
+// writes it (hc_norm_group on the same values): the same bits as hc_write followed by hc_norm.
+extern "C" __global__ void hc_write_norm(const FpHcWrite p) {
+    pdl_start();
+    __shared__ float sh[32];
+    const FpCommon& c = p.c;
+    const u32 R = c.nstreams * c.window, W = p.dim * p.hc;
+    float* hn = fptr(c.scratch);
+    for (u32 b = blockIdx.x; b < R * p.hc; b += gridDim.x) {
+        const u32 r = b / p.hc, cc = b % p.hc;
+        u32 s, j;
+        if (!real_row(c, r, s, j)) continue;
+        float* h = fptr(p.h) + (u64)r * W + (u64)cc * p.dim;
+        const float* y = fptr(p.y) + (u64)r * p.dim;
+        const float g = fptr(p.inj)[(u64)r * p.hc + cc];
+        float xv[HCN_PER];
+#pragma unroll
+        for (int u = 0; u < HCN_PER; u++) {
+            const u32 i = threadIdx.x + blockDim.x * u;
+            xv[u] = 0.0f;
+            if (i < p.dim) {
+                xv[u] = hc_write_value(h[i], g, y[i]);
+                h[i] = xv[u];
+            }
+        }
+        hc_norm_group(xv, p.norm, cc, p.dim, p.eps, sh, hn + (u64)r * W + (u64)cc * p.dim);
+        __syncthreads();
+    }
+}
+
 extern "C" __global__ void hc_norm(const FpHcRead p) {
     pdl_start();
     __shared__ float sh[32];
@@ -76,23 +130,13 @@ extern "C" __global__ void hc_norm(const FpHcRead p) {
         float* y = hn + (u64)r * W + (u64)cc * p.dim;
         if (p.dim <= HCN_PER * blockDim.x) {
             // Every load in flight at once: element i = threadIdx.x + blockDim.x * u.
-            float xv[HCN_PER], nv[HCN_PER];
+            float xv[HCN_PER];
 #pragma unroll
             for (int u = 0; u < HCN_PER; u++) {
                 const u32 i = threadIdx.x + blockDim.x * u;
                 xv[u] = i < p.dim ? x[i] : 0.0f;
-                nv[u] = i < p.dim ? bfw(p.norm, cc * p.dim + i) : 0.0f;
             }
-            float ss = 0.0f;
-#pragma unroll
-            for (int u = 0; u < HCN_PER; u++) ss += xv[u] * xv[u];
-            ss = block_sum(ss, sh);
-            const float inv = 1.0f / sqrtf(ss / (float)p.dim + p.eps);
-#pragma unroll
-            for (int u = 0; u < HCN_PER; u++) {
-                const u32 i = threadIdx.x + blockDim.x * u;
-                if (i < p.dim) y[i] = xv[u] * inv * (1.0f + nv[u]);
-            }
+            hc_norm_group(xv, p.norm, cc, p.dim, p.eps, sh, y);
         } else {
             float ss = 0.0f;
             for (u32 i = threadIdx.x; i < p.dim; i += blockDim.x) ss += x[i] * x[i];

@@ -168,6 +168,9 @@ typedef struct FpHcWrite {
     u64 inj;
     u32 dim;
     u32 hc;
+    u64 norm;
+    float eps;
+    u32 pad;
 } FpHcWrite;
 
 typedef struct FpPleEmbed {

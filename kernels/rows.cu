@@ -70,7 +70,7 @@ extern "C" __global__ void hc_write(const FpHcWrite p) {
         u32 s, j;
         if (!real_row(c, r, s, j)) continue;
         const u32 cc = i / p.dim, d = i % p.dim;
-        fptr(p.h)[e] += fptr(p.inj)[(u64)r * p.hc + cc] * fptr(p.y)[(u64)r * p.dim + d];
+        fptr(p.h)[e] = hc_write_value(fptr(p.h)[e], fptr(p.inj)[(u64)r * p.hc + cc], fptr(p.y)[(u64)r * p.dim + d]);
     }
 }
 

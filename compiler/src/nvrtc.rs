@@ -243,6 +243,7 @@ mod tests {
             "hc_read_t1",
             "hc_read_t4",
             "hc_write",
+            "hc_write_norm",
             "ple_embed",
             "ple_mix",
             "ple_mix_conv",

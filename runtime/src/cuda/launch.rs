@@ -222,6 +222,9 @@ pub(crate) fn tc_split(k: u32, n: u32) -> u32 {
         .unwrap_or(8)
 }
 
+/// Router experts per block of 8 warps (8 x `MOE_NPW`, kernels/moe.cu).
+const ROUTER_EXPERTS_PER_BLOCK: u32 = 16;
+
 /// `linear_mxfp8` entry points per row tile (kernels/mxfp8.cu).
 const LINEAR_MXFP8: ByRows = &[
     "linear_mxfp8_t1",
@@ -370,26 +373,203 @@ pub(crate) fn specs(
     v: &Variant,
     fuse_linears: bool,
 ) -> Result<Vec<Option<LaunchSpec>>, BackendError> {
-    if !fuse_linears {
-        return v
-            .nodes
-            .iter()
-            .enumerate()
-            .map(|(i, n)| spec(a, v, i, &n.op).map(Some))
-            .collect();
-    }
-    let mxfp8 = |w: WeightId| a.mxfp8_scales.get(w.0 as usize).is_some_and(|&s| s != 0);
     let mut out = Vec::with_capacity(v.nodes.len());
-    for g in fuse::launch_groups(v, mxfp8) {
-        if g.len() == 1 {
-            out.push(Some(spec(a, v, g.start, &v.nodes[g.start].op)?));
-        } else {
-            let ops: Vec<&Op> = v.nodes[g.clone()].iter().map(|n| &n.op).collect();
-            out.push(Some(linear_multi(a, v, &ops)?));
-            out.extend((1..g.len()).map(|_| None));
+    if !fuse_linears {
+        for (i, n) in v.nodes.iter().enumerate() {
+            out.push(Some(spec(a, v, i, &n.op)?));
+        }
+    } else {
+        let mxfp8 = |w: WeightId| a.mxfp8_scales.get(w.0 as usize).is_some_and(|&s| s != 0);
+        for g in fuse::launch_groups(v, mxfp8) {
+            if g.len() == 1 {
+                out.push(Some(spec(a, v, g.start, &v.nodes[g.start].op)?));
+            } else {
+                let ops: Vec<&Op> = v.nodes[g.clone()].iter().map(|n| &n.op).collect();
+                out.push(Some(linear_multi(a, v, &ops)?));
+                out.extend((1..g.len()).map(|_| None));
+            }
+        }
+    }
+    if a.fuse_small {
+        fuse_hc_norm(a, v, &mut out)?;
+    }
+    for (sp, n) in out.iter_mut().zip(&v.nodes) {
+        if commit_in_window_one(v, &n.op) {
+            *sp = None;
         }
     }
     Ok(out)
+}
+
+/// Elements of one hyper-connection group that `hc_write_norm` holds per block of 256 threads (`HCN_PER` x 256,
+/// kernels/norm.cu).
+const HC_NORM_MOST_DIM: u32 = 16 * 256;
+
+/// The `HcRead` node's launches: `hc_norm` (with `norm`; without it the previous `hc_write_norm` has written Hn),
+/// then hc_read (down and inject dots) and hc_read_mix, row tiles over `blockIdx.y` beyond 4 rows.
+fn hc_read_spec(a: &Addrs, v: &Variant, op: &Op, norm: bool) -> Result<LaunchSpec, BackendError> {
+    let Op::HcRead {
+        h,
+        norm: norm_w,
+        down,
+        up,
+        inject,
+        out,
+        dim,
+        hc,
+        rank,
+        eps,
+    } = op
+    else {
+        return Err(BackendError::Device(format!(
+            "hc_read parameters for a `{}` node",
+            op.kernel()
+        )));
+    };
+    let (streams, window) = v.kind.shape();
+    let rows = streams * window;
+    if *hc > 16 {
+        return Err(BackendError::Device(format!(
+            "hc_read: {hc} hyper-connections (at most 16) is not supported"
+        )));
+    }
+    let gathered = hc_read_gathered(v, op);
+    let (inject, inj) = match inject {
+        Some((w, b)) => (a.w(*w)?, a.buf(v, *b)),
+        None => (0, 0),
+    };
+    let p = FpHcRead {
+        c: a.common,
+        h: a.buf(v, *h),
+        norm: a.w(*norm_w)?,
+        down: a.w(*down)?,
+        up: a.w(*up)?,
+        inject,
+        inj,
+        out: a.buf(v, *out),
+        dim: *dim,
+        hc: *hc,
+        rank: *rank,
+        gathered: gathered as u32,
+        eps: *eps,
+        pad: 0,
+    };
+    let outs = *rank + if p.inject != 0 { *hc } else { 0 };
+    let nrows = if gathered { streams } else { rows };
+    let (read, tiles) = by_row_tiles(HC_READ, nrows);
+    let (mix, _) = by_row_tiles(HC_READ_MIX, nrows);
+    let params = bytes(&p);
+    let spec = if norm {
+        LaunchSpec::new("hc_norm", params, (nrows * *hc, 1, 1), 256).then_grid(
+            read,
+            (outs.div_ceil(2), tiles, 1),
+            256,
+        )
+    } else {
+        LaunchSpec::new(read, params, (outs.div_ceil(2), tiles, 1), 256)
+    };
+    Ok(spec.then_grid(mix, (dim.div_ceil(8), tiles, 1), 256))
+}
+
+/// Whether an `HcRead` reads only each stream's last row (its `h` holds one row per stream).
+fn hc_read_gathered(v: &Variant, op: &Op) -> bool {
+    let (streams, window) = v.kind.shape();
+    match op {
+        Op::HcRead { h, dim, hc, .. } => {
+            v.buf(*h).elems < (streams * window) as u64 * (*dim as u64 * *hc as u64)
+        }
+        _ => false,
+    }
+}
+
+/// The `HcWrite` node's launch: `hc_write` (thread per element), or with `norm` = (the next hc_read's `hc_norm`
+/// weight address, its eps) `hc_write_norm` (block per (row, hyper-connection)), which also writes that read's Hn.
+fn hc_write_spec(
+    a: &Addrs,
+    v: &Variant,
+    op: &Op,
+    norm: Option<(u64, f32)>,
+) -> Result<LaunchSpec, BackendError> {
+    let Op::HcWrite { h, y, inj, dim, hc } = op else {
+        return Err(BackendError::Device(format!(
+            "hc_write parameters for a `{}` node",
+            op.kernel()
+        )));
+    };
+    let (streams, window) = v.kind.shape();
+    let rows = streams * window;
+    let p = FpHcWrite {
+        c: a.common,
+        h: a.buf(v, *h),
+        y: a.buf(v, *y),
+        inj: a.buf(v, *inj),
+        dim: *dim,
+        hc: *hc,
+        norm: norm.map_or(0, |n| n.0),
+        eps: norm.map_or(0.0, |n| n.1),
+        pad: 0,
+    };
+    Ok(match norm {
+        Some(_) => LaunchSpec::new("hc_write_norm", bytes(&p), ((rows * *hc).max(1), 1, 1), 256),
+        None => {
+            let elems = rows as u64 * *dim as u64 * *hc as u64;
+            LaunchSpec::new(
+                "hc_write",
+                bytes(&p),
+                (elems.div_ceil(1024).clamp(1, 4096) as u32, 1, 1),
+                256,
+            )
+        }
+    })
+}
+
+/// `FLASHPLAN_FUSE_SMALL`: an `HcWrite` followed by the `HcRead` of the same `h` (same width, every row, groups of
+/// at most `HC_NORM_MOST_DIM`) becomes `hc_write_norm` + the read without its `hc_norm` launch: one launch fewer,
+/// the same bits (kernels/norm.cu `hc_norm_group` in both). Every layer's MoE read and the next layer's mixer read
+/// follow a write; the first layer's and the PLE layer's do not.
+fn fuse_hc_norm(
+    a: &Addrs,
+    v: &Variant,
+    out: &mut [Option<LaunchSpec>],
+) -> Result<(), BackendError> {
+    for i in 0..v.nodes.len().saturating_sub(1) {
+        let (w, r) = (&v.nodes[i].op, &v.nodes[i + 1].op);
+        let (
+            Op::HcWrite { h, dim, hc, .. },
+            Op::HcRead {
+                h: h2,
+                dim: d2,
+                hc: c2,
+                norm,
+                eps,
+                ..
+            },
+        ) = (w, r)
+        else {
+            continue;
+        };
+        if h != h2
+            || dim != d2
+            || hc != c2
+            || *dim > HC_NORM_MOST_DIM
+            || hc_read_gathered(v, r)
+            || out[i].is_none()
+            || out[i + 1].is_none()
+        {
+            continue;
+        }
+        out[i] = Some(hc_write_spec(a, v, w, Some((a.w(*norm)?, *eps)))?);
+        out[i + 1] = Some(hc_read_spec(a, v, r, false)?);
+    }
+    Ok(())
+}
+
+/// Whether node `op` of variant `v` is a `GdnCommit` whose work its layer's `gdn_conv` and `gdn_recur` already did:
+/// in a window of one row the row is always kept (`keep_count`: keep = rows, 0 or 1), so those kernels commit it
+/// themselves (kernels/gdn.cu) and the commit launch is left out of the graph. The state is the same bits:
+/// `gdn_recur` writes the state its own update produced, the update `gdn_commit` would have replayed.
+pub(crate) fn commit_in_window_one(v: &Variant, op: &Op) -> bool {
+    matches!(op, Op::GdnCommit { .. }) && v.kind.shape().1 == 1
 }
 
 /// Parameters and launch shape of node `node` (index in the variant; its counter is at `a.counters + 4 node`).
@@ -514,69 +694,8 @@ pub(crate) fn spec(
             };
             one("add_broadcast", bytes(&p), rows, 256)
         }
-        Op::HcRead {
-            h,
-            norm,
-            down,
-            up,
-            inject,
-            out,
-            dim,
-            hc,
-            rank,
-            eps,
-        } => {
-            if *hc > 16 {
-                return Err(BackendError::Device(format!(
-                    "hc_read: {hc} hyper-connections (at most 16) is not supported"
-                )));
-            }
-            let gathered = v.buf(*h).elems < rows as u64 * (*dim as u64 * *hc as u64);
-            let (inject, inj) = match inject {
-                Some((w, b)) => (a.w(*w)?, a.buf(v, *b)),
-                None => (0, 0),
-            };
-            let p = FpHcRead {
-                c,
-                h: a.buf(v, *h),
-                norm: a.w(*norm)?,
-                down: a.w(*down)?,
-                up: a.w(*up)?,
-                inject,
-                inj,
-                out: a.buf(v, *out),
-                dim: *dim,
-                hc: *hc,
-                rank: *rank,
-                gathered: gathered as u32,
-                eps: *eps,
-                pad: 0,
-            };
-            let outs = *rank + if p.inject != 0 { *hc } else { 0 };
-            let nrows = if gathered { streams } else { rows };
-            let (read, tiles) = by_row_tiles(HC_READ, nrows);
-            let (mix, _) = by_row_tiles(HC_READ_MIX, nrows);
-            one("hc_norm", bytes(&p), nrows * *hc, 256)
-                .then_grid(read, (outs.div_ceil(2), tiles, 1), 256)
-                .then_grid(mix, (dim.div_ceil(8), tiles, 1), 256)
-        }
-        Op::HcWrite { h, y, inj, dim, hc } => {
-            let p = FpHcWrite {
-                c,
-                h: a.buf(v, *h),
-                y: a.buf(v, *y),
-                inj: a.buf(v, *inj),
-                dim: *dim,
-                hc: *hc,
-            };
-            let elems = rows as u64 * *dim as u64 * *hc as u64;
-            one(
-                "hc_write",
-                bytes(&p),
-                elems.div_ceil(1024).clamp(1, 4096) as u32,
-                256,
-            )
-        }
+        Op::HcRead { .. } => hc_read_spec(a, v, op, true)?,
+        Op::HcWrite { .. } => hc_write_spec(a, v, op, None)?,
         Op::PleEmbed {
             history,
             table,
@@ -1017,14 +1136,21 @@ pub(crate) fn spec(
             if one_launch {
                 // The logits launch's last block does the top-k (warp per row), counting in the node's counter
                 // (one grid row: the count is over gridDim.x blocks).
-                one(by_rows(ROUTER, rows), bytes(&p), experts.div_ceil(16), 256)
+                one(
+                    by_rows(ROUTER, rows),
+                    bytes(&p),
+                    experts.div_ceil(ROUTER_EXPERTS_PER_BLOCK),
+                    256,
+                )
             } else {
                 let (logits, tiles) = by_row_tiles(ROUTER, rows);
-                LaunchSpec::new(logits, bytes(&p), (experts.div_ceil(16), tiles, 1), 256).then(
-                    "router_topk",
-                    rows,
-                    ROUTER_TOPK_THREADS,
+                LaunchSpec::new(
+                    logits,
+                    bytes(&p),
+                    (experts.div_ceil(ROUTER_EXPERTS_PER_BLOCK), tiles, 1),
+                    256,
                 )
+                .then("router_topk", rows, ROUTER_TOPK_THREADS)
             }
         }
         Op::Experts {
