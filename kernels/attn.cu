@@ -4,8 +4,8 @@
 #define ATTN_MAX_HD 512
 #define ATTN_WARPS 8
 
-// One block per row, one warp per head: q = RoPE(q_norm(q part)), gate copied; k = RoPE(k_norm(k)) and v written
-// to the slot's caches at pos + j.
+// Block (row, group of 8 heads over blockIdx.y), one warp per head: q = RoPE(q_norm(q part)), gate copied;
+// k = RoPE(k_norm(k)) and v written to the slot's caches at pos + j. A head's values never depend on the grid.
 extern "C" __global__ void attn_prep(const FpAttnPrep p) {
     pdl_start();
     __shared__ float buf[ATTN_WARPS][ATTN_MAX_HD];
@@ -19,7 +19,7 @@ extern "C" __global__ void attn_prep(const FpAttnPrep p) {
         const FpStream& st = stream_of(c, s);
         const u32 pos = st.pos + j;
         float* b = buf[warp];
-        for (u32 hh = warp; hh < p.heads + p.kv_heads; hh += nw) {
+        for (u32 hh = blockIdx.y * nw + warp; hh < p.heads + p.kv_heads; hh += gridDim.y * nw) {
             if (hh < p.heads) {
                 const float* src = fptr(p.q_raw) + (u64)r * p.heads * 2 * hd + (u64)hh * 2 * hd;
                 rms_warp(src, p.q_norm, b, hd, p.eps, lane);
@@ -259,6 +259,28 @@ DEV u32 sa_nt(const FpSparseAttn& p, u32 pos, u32& nsel, u32& nb) {
 }
 DEV u32 sa_nsplit(const FpSparseAttn& p) { return (p.max_tokens + SA_CHUNK - 1) / SA_CHUNK; }
 
+// The warp sums of 16 values per lane at once (a reduce-scatter): the xor butterfly of warp_sum (offsets 16, 8, 4,
+// 2, 1), but at each of the first four levels a lane keeps half of its values and sends the other half, so 16 + 1
+// shuffles replace 16 x 5. Lanes 2h and 2h + 1 end with value h summed over the warp, the same pairs added at the
+// same levels as warp_sum (a + b == b + a exactly): bit for bit warp_sum(v[h]).
+DEV float warp_sum_scatter16(const float (&v)[16], u32 lane) {
+    float a[8];
+    const bool b16 = lane & 16;
+#pragma unroll
+    for (int k = 0; k < 8; k++) a[k] = (b16 ? v[k + 8] : v[k]) + __shfl_xor_sync(FULL_MASK, b16 ? v[k] : v[k + 8], 16);
+    const bool b8 = lane & 8;
+    float b[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) b[k] = (b8 ? a[k + 4] : a[k]) + __shfl_xor_sync(FULL_MASK, b8 ? a[k] : a[k + 4], 8);
+    const bool b4 = lane & 4;
+    float c2[2];
+#pragma unroll
+    for (int k = 0; k < 2; k++) c2[k] = (b4 ? b[k + 2] : b[k]) + __shfl_xor_sync(FULL_MASK, b4 ? b[k] : b[k + 2], 4);
+    const bool b2 = lane & 2;
+    float d = (b2 ? c2[1] : c2[0]) + __shfl_xor_sync(FULL_MASK, b2 ? c2[0] : c2[1], 2);
+    return d + __shfl_xor_sync(FULL_MASK, d, 1);
+}
+
 extern "C" __global__ void sparse_attn(const FpSparseAttn p) {
     pdl_start();
     __shared__ float qs[SA_MAX_Q];
@@ -312,13 +334,13 @@ extern "C" __global__ void sparse_attn(const FpSparseAttn p) {
             for (int u = 0; u < SA_CHUNK / ATTN_WARPS; u++) {
                 const u32 i = warp + nw * u, d0 = lane * 8;
                 if (i >= cnt) break;
+                float a[SA_MAX_G];
 #pragma unroll
-                for (int g = 0; g < SA_MAX_G; g++) {
-                    if ((u32)g >= G) break;
-                    const float a = d0 < hd ? dot8(qs + g * hd + d0, kreg[u]) : 0.0f;
-                    const float d = warp_sum(a);
-                    if (lane == 0) ps[g][i] = d * scale;
-                }
+                for (int g = 0; g < SA_MAX_G; g++) a[g] = (u32)g < G && d0 < hd ? dot8(qs + g * hd + d0, kreg[u]) : 0.0f;
+                // Head h's sum ends in lanes 2h, 2h + 1 (`warp_sum_scatter16`), the same bits as warp_sum(a[h]).
+                const float d = warp_sum_scatter16(a, lane);
+                const u32 h = lane >> 1;
+                if ((lane & 1) == 0 && h < G) ps[h][i] = d * scale;
             }
         } else {
             for (u32 i = warp; i < cnt; i += nw) {
@@ -415,8 +437,15 @@ extern "C" __global__ void sparse_attn_combine(const FpSparseAttn p) {
         __syncthreads();
         for (u32 d = threadIdx.x; d < hd; d += blockDim.x) {
             float o = 0.0f;
-#pragma unroll 8
-            for (u32 z = 0; z < nz; z++) o = fmaf(f[z], part[(u64)z * (2 + hd) + 2 + d], o);
+            // Chunks in order, 32 partial outputs in flight at a time.
+            for (u32 z0 = 0; z0 < nz; z0 += 32) {
+                float pv[32];
+#pragma unroll
+                for (int u = 0; u < 32; u++) pv[u] = z0 + u < nz ? part[(u64)(z0 + u) * (2 + hd) + 2 + d] : 0.0f;
+#pragma unroll
+                for (int u = 0; u < 32; u++)
+                    if (z0 + u < nz) o = fmaf(f[z0 + u], pv[u], o);
+            }
             const u64 oi = (u64)r * p.heads * hd + hh * hd + d;
             fptr(p.out)[oi] = o / lsum * sigmoidf_(fptr(p.gate)[oi]);
         }

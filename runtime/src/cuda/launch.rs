@@ -959,7 +959,13 @@ pub(crate) fn spec(
                 attn_factor: af,
                 eps: *eps,
             };
-            one("attn_prep", bytes(&p), rows, 256)
+            // A warp per head: the heads of a row spread over blockIdx.y (one block per 8 heads).
+            LaunchSpec::new(
+                "attn_prep",
+                bytes(&p),
+                (rows.max(1), (*heads + *kv_heads).div_ceil(8), 1),
+                256,
+            )
         }
         Op::IndexerPrep {
             qk,
