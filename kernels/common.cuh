@@ -17,9 +17,11 @@ typedef unsigned short bf16_t;
 #define INFINITY __int_as_float(0x7f800000)
 #endif
 
-// Programmatic dependent launch (sm_90): every kernel starts with pdl_start(). It lets the next kernel of the graph
-// be scheduled now (its blocks take free slots and wait), then waits until the previous kernel has completed and its
-// memory is visible. Launched without the PDL attribute both are no-ops.
+// Programmatic dependent launch (sm_90): every kernel starts with pdl_start(). It waits until the previous kernel
+// has completed and its memory is visible, then lets the next kernel of the graph be scheduled (its blocks take free
+// slots and wait in their own pdl_start). Waiting first keeps at most one kernel ahead: letting dependents launch
+// before the wait let every later kernel's blocks fill the SMs while they waited (measured slower on the H200).
+// Launched without the PDL attribute both are no-ops.
 DEV void pdl_start() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");

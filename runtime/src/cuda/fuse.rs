@@ -108,12 +108,12 @@ pub(crate) fn launch_groups(v: &Variant, mxfp8: impl Fn(WeightId) -> bool) -> Ve
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use flashplan_plan::{BufferDecl, CompileOptions, ModelConfig, Node, PlanBody, Space};
 
-    /// CPU plans of the tiny fixture (layers 0-2 GDN, layer 3 attention).
-    fn tiny_plan() -> PlanBody {
+    /// CPU plans of the tiny fixture (layers 0-2 GDN, layer 3 attention); also used by `launch`'s tests.
+    pub(in crate::cuda) fn tiny_plan() -> PlanBody {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tiny-text");
         let text = std::fs::read_to_string(dir.join("config.json")).expect("config.json");
         let cfg = ModelConfig::from_json_str(&text).expect("config parses");

@@ -1264,6 +1264,119 @@ pub(crate) fn spec(
 mod tests {
     use super::*;
 
+    /// The launch specs of every variant of the tiny plan, with made-up device addresses (no GPU: specs only
+    /// compute parameters and shapes), with and without `FLASHPLAN_FUSE_SMALL`.
+    fn tiny_specs(fuse_small: bool) -> Vec<(Variant, Vec<Option<LaunchSpec>>)> {
+        let body = super::fuse::tests::tiny_plan();
+        let weights: Vec<u64> = (0..body.weights.len() as u64)
+            .map(|i| 0x1000_0000 + (i << 20))
+            .collect();
+        let scales = vec![0u64; weights.len()];
+        let rope = Rope::new(&body.config);
+        let io = |_: flashplan_plan::IoBuf| 0x2000_0000u64;
+        body.variants
+            .iter()
+            .map(|v| {
+                let (nstreams, window) = v.kind.shape();
+                let a = Addrs {
+                    body: &body,
+                    arena: 0x3000_0000,
+                    io: &io,
+                    weights: &weights,
+                    mxfp8_scales: &scales,
+                    common: FpCommon {
+                        nstreams,
+                        window,
+                        ..Default::default()
+                    },
+                    rope: 0x4000_0000,
+                    rope_cfg: &rope,
+                    counters: 0x5000_0000,
+                    fuse_small,
+                };
+                (v.clone(), specs(&a, v, true).expect("specs"))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn gdn_commit_is_left_out_exactly_in_windows_of_one_row() {
+        let mut seen = [false; 2];
+        for (v, sp) in tiny_specs(true) {
+            let one_row = v.kind.shape().1 == 1;
+            for (n, s) in v.nodes.iter().zip(&sp) {
+                if matches!(n.op, Op::GdnCommit { .. }) {
+                    seen[one_row as usize] = true;
+                    match s {
+                        None => assert!(one_row, "{}: gdn_commit left out", v.kind.name()),
+                        Some(s) => {
+                            assert!(!one_row, "{}: gdn_commit launched", v.kind.name());
+                            assert_eq!(s.kernel, "gdn_commit");
+                        }
+                    }
+                }
+            }
+        }
+        assert_eq!(
+            seen,
+            [true, true],
+            "variants of both kinds with a GDN commit"
+        );
+    }
+
+    #[test]
+    fn hc_norm_moves_into_the_write_before_a_read_of_the_same_h() {
+        for fuse_small in [true, false] {
+            let mut fused = 0;
+            for (v, sp) in tiny_specs(fuse_small) {
+                for (i, n) in v.nodes.iter().enumerate() {
+                    let Op::HcRead { h, .. } = n.op else { continue };
+                    let read = sp[i].as_ref().expect("hc_read launched");
+                    let after_write = i > 0
+                        && matches!(v.nodes[i - 1].op, Op::HcWrite { h: hw, .. } if hw == h)
+                        && !hc_read_gathered(&v, &n.op);
+                    if fuse_small && after_write {
+                        fused += 1;
+                        let write = sp[i - 1].as_ref().expect("hc_write launched");
+                        assert_eq!(
+                            write.kernel,
+                            "hc_write_norm",
+                            "{} node {}",
+                            v.kind.name(),
+                            i - 1
+                        );
+                        assert!(
+                            read.kernel.starts_with("hc_read_t"),
+                            "{}: {}",
+                            v.kind.name(),
+                            read.kernel
+                        );
+                        assert_eq!(read.launches(), 2);
+                        // The fused write carries the read's norm weight and eps.
+                        assert_eq!(write.params.len(), std::mem::size_of::<FpHcWrite>());
+                        // SAFETY: `params` holds the bytes of one FpHcWrite (`bytes(&p)`), length checked above.
+                        let p: FpHcWrite =
+                            unsafe { std::ptr::read_unaligned(write.params.as_ptr().cast()) };
+                        let Op::HcRead { norm, eps, .. } = n.op else {
+                            unreachable!()
+                        };
+                        assert_eq!(p.norm, 0x1000_0000 + ((norm.0 as u64) << 20));
+                        assert_eq!(p.eps, eps);
+                    } else {
+                        assert_eq!(read.kernel, "hc_norm", "{} node {i}", v.kind.name());
+                        assert_eq!(read.launches(), 3);
+                    }
+                }
+                for (n, s) in v.nodes.iter().zip(&sp) {
+                    if matches!(n.op, Op::HcWrite { .. }) && !fuse_small {
+                        assert_eq!(s.as_ref().expect("launched").kernel, "hc_write");
+                    }
+                }
+            }
+            assert_eq!(fused > 0, fuse_small);
+        }
+    }
+
     #[test]
     fn mx_split_depends_on_the_weight_shape_only() {
         // The drafting lm_head (k 2560, n 248320): no split, 7760 blocks of 32 features.

@@ -592,7 +592,8 @@ struct Worker {
     pdl: bool,
     /// Launch runs of sibling linears as one `linear_multi` (`FLASHPLAN_FUSE_LINEAR`, default on).
     fuse_linear: bool,
-    /// The router in one launch up to 8 rows (`FLASHPLAN_FUSE_SMALL`, default on).
+    /// Fewer launches for small ops (`FLASHPLAN_FUSE_SMALL`, default on): the router in one launch up to 8 rows,
+    /// `hc_norm` inside the preceding `hc_write`.
     fuse_small: bool,
     modules: Vec<sys::CUmodule>,
     rope_cfg: Rope,
@@ -636,8 +637,9 @@ fn switch_setting(name: &str, what: &str, default: bool) -> Result<bool, Backend
 }
 
 /// `FLASHPLAN_PDL`: `1` launches every kernel as a programmatic dependent launch, `0` (default) as a plain launch
-/// (the results are the same). Off by default: with the tensor-core linears, one-row replays on the H200 took
-/// 1316 us with it and 1235 us without (docs/benchmarks.md).
+/// (the results are the same). Off by default: with every kernel letting its dependents launch before waiting,
+/// one-row replays on the H200 took 1218 us with it and 1129 us without; since each kernel waits first
+/// (kernels/common.cuh `pdl_start`) it is neutral (1125 against 1133 us; docs/benchmarks.md, fourth session).
 fn pdl_setting() -> Result<bool, BackendError> {
     switch_setting("FLASHPLAN_PDL", "programmatic dependent launches", false)
 }
@@ -649,9 +651,11 @@ fn fuse_linear_setting() -> Result<bool, BackendError> {
 }
 
 /// `FLASHPLAN_FUSE_SMALL`: `1` (default) launches the router as one kernel up to 8 rows (the logits launch's last
-/// block does the top-k); `0` launches router_topk on its own (for comparison; the results are the same bits).
+/// block does the top-k) and a hyper-connection read's `hc_norm` inside the `hc_write` before it
+/// (`launch::fuse_hc_norm`); `0` launches router_topk and hc_norm on their own (for comparison; the results are the
+/// same bits).
 fn fuse_small_setting() -> Result<bool, BackendError> {
-    switch_setting("FLASHPLAN_FUSE_SMALL", "the router in one launch", true)
+    switch_setting("FLASHPLAN_FUSE_SMALL", "fewer launches for small ops", true)
 }
 
 /// Checks the CUDA backend's environment switches (`FLASHPLAN_PDL`, `FLASHPLAN_FUSE_LINEAR`,
