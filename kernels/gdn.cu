@@ -1,5 +1,5 @@
 // GatedDeltaNet: gdn_conv (causal depthwise conv + SiLU), gdn_recur (recurrence over the window from the slot's
-// state, state untouched), gdn_commit (replays the kept rows into the state with the same update, and shifts the
+// state, state untouched in windows of more than one row), gdn_commit (replays the kept rows into the state with the same update, and shifts the
 // conv state). recur and commit share gdn_update_q, so a committed state is bit-identical to plain decoding's.
 // Windows of one row always keep their row: there gdn_conv shifts the conv state and gdn_recur writes the state
 // itself, and gdn_commit is not launched (one launch and one read of the state fewer per GDN layer).
@@ -134,6 +134,8 @@ extern "C" __global__ void gdn_recur(const FpGdnRecur p) {
     }
     // Window of one row: the row is always kept, so the updated state is the committed one (gdn_commit's replay of
     // the same update from the same state gives the same bits); written here and gdn_commit is not launched.
+    // A padding stream (rows 0, on a live stream's slot) may read that slot's state while the live stream's block
+    // writes it; it uses nothing it read (no rows: no output, no stash, no write), so the race is harmless.
     if (c.window == 1 && st.rows == 1 && own) {
         float* out_state = state_of(c, st.slot, p.state) + h * dkdv;
 #pragma unroll

@@ -1105,8 +1105,8 @@ impl Worker {
         let mut per: BTreeMap<String, f64> = BTreeMap::new();
         let mut nodes_us = Vec::with_capacity(specs.len());
         for sp in &specs {
-            // A node fused into an earlier node's launch costs nothing of its own (that launch's time stands at
-            // the run's first node).
+            // A node without a launch costs nothing of its own: fused into an earlier node's launch (that launch's
+            // time stands at the run's first node), or a window-1 gdn_commit done by gdn_conv and gdn_recur.
             let Some(sp) = sp else {
                 nodes_us.push(0.0);
                 continue;
