@@ -225,6 +225,11 @@ pub(crate) fn tc_split(k: u32, n: u32) -> u32 {
 /// Router experts per block of 8 warps (8 x `MOE_NPW`, kernels/moe.cu).
 const ROUTER_EXPERTS_PER_BLOCK: u32 = 16;
 
+/// The error of a parameter builder handed another op's node: `kernel`'s parameters asked of `op`.
+fn wrong_op(kernel: &str, op: &Op) -> BackendError {
+    BackendError::Device(format!("{kernel} parameters for a `{}` node", op.kernel()))
+}
+
 /// `linear_mxfp8` entry points per row tile (kernels/mxfp8.cu).
 const LINEAR_MXFP8: ByRows = &[
     "linear_mxfp8_t1",
@@ -291,10 +296,7 @@ fn linear_params(a: &Addrs, v: &Variant, op: &Op) -> Result<(FpLinear, u32, u32)
         accumulate,
     } = op
     else {
-        return Err(BackendError::Device(format!(
-            "linear parameters for a `{}` node",
-            op.kernel()
-        )));
+        return Err(wrong_op("linear", op));
     };
     let (streams, window) = v.kind.shape();
     let gathered = fuse::linear_gathered(v, *x, *k, *sub);
@@ -421,10 +423,7 @@ fn hc_read_spec(a: &Addrs, v: &Variant, op: &Op, norm: bool) -> Result<LaunchSpe
         eps,
     } = op
     else {
-        return Err(BackendError::Device(format!(
-            "hc_read parameters for a `{}` node",
-            op.kernel()
-        )));
+        return Err(wrong_op("hc_read", op));
     };
     let (streams, window) = v.kind.shape();
     let rows = streams * window;
@@ -491,10 +490,7 @@ fn hc_write_spec(
     norm: Option<(u64, f32)>,
 ) -> Result<LaunchSpec, BackendError> {
     let Op::HcWrite { h, y, inj, dim, hc } = op else {
-        return Err(BackendError::Device(format!(
-            "hc_write parameters for a `{}` node",
-            op.kernel()
-        )));
+        return Err(wrong_op("hc_write", op));
     };
     let (streams, window) = v.kind.shape();
     let rows = streams * window;
