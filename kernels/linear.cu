@@ -8,11 +8,10 @@
 template <int T>
 DEV void linear_entry(const FpLinear& p, u32 block, u32 nblocks) {
     const u32 total = linear_total(p.c, p.sub, p.gathered);
-    const bool wvec = (p.k & 7) == 0 && (p.w & 15) == 0;
-    linear_tc_rows<T, 4>(p, wvec, total, block, nblocks);
+    linear_tc_rows<T, 4>(p, total, block, nblocks);
 }
-extern "C" __global__ void linear_t1(const FpLinear p) { pdl_start(); linear_entry<1>(p, blockIdx.x, gridDim.x); }
-extern "C" __global__ void linear_t2(const FpLinear p) { pdl_start(); linear_entry<2>(p, blockIdx.x, gridDim.x); }
+extern "C" __global__ void __launch_bounds__(256, 3) linear_t1(const FpLinear p) { pdl_start(); linear_entry<1>(p, blockIdx.x, gridDim.x); }
+extern "C" __global__ void __launch_bounds__(256, 3) linear_t2(const FpLinear p) { pdl_start(); linear_entry<2>(p, blockIdx.x, gridDim.x); }
 extern "C" __global__ void linear_t4(const FpLinear p) { pdl_start(); linear_entry<4>(p, blockIdx.x, gridDim.x); }
 extern "C" __global__ void linear_t8(const FpLinear p) { pdl_start(); linear_entry<8>(p, blockIdx.x, gridDim.x); }
 extern "C" __global__ void linear_t16(const FpLinear p) { pdl_start(); linear_entry<16>(p, blockIdx.x, gridDim.x); }
@@ -58,8 +57,8 @@ DEV void linear_multi_entry(const FpLinearMulti& p) {
     if (!found) return;  // a grid larger than the blocks' sum (not launched so)
     linear_entry<T>(q, b, nblocks);
 }
-extern "C" __global__ void linear_multi_t1(const FpLinearMulti p) { pdl_start(); linear_multi_entry<1>(p); }
-extern "C" __global__ void linear_multi_t2(const FpLinearMulti p) { pdl_start(); linear_multi_entry<2>(p); }
+extern "C" __global__ void __launch_bounds__(256, 3) linear_multi_t1(const FpLinearMulti p) { pdl_start(); linear_multi_entry<1>(p); }
+extern "C" __global__ void __launch_bounds__(256, 3) linear_multi_t2(const FpLinearMulti p) { pdl_start(); linear_multi_entry<2>(p); }
 extern "C" __global__ void linear_multi_t4(const FpLinearMulti p) { pdl_start(); linear_multi_entry<4>(p); }
 extern "C" __global__ void linear_multi_t8(const FpLinearMulti p) { pdl_start(); linear_multi_entry<8>(p); }
 extern "C" __global__ void linear_multi_t16(const FpLinearMulti p) { pdl_start(); linear_multi_entry<16>(p); }

@@ -12,13 +12,14 @@ DEV u32 linear_total(const FpCommon& c, u32 sub, u32 gathered) {
 // out[i, n] (+)= sum_k x[i, k] * w[n, k] with mma.sync m16n8k16 (BF16 x BF16 -> f32). The f32 activation is split
 // exactly into three BF16 terms x = hi + mid + lo (`split3`: truncations of the f32 bits; every remainder is exact
 // in f32), so every product w * term is exact and the sum is f32 accumulation in the tensor core's fixed order.
-// A warp owns one m-tile of 16 output features and one slice of K (S slices from the weight's shape [n, k] alone, steps of 32 values); the
-// 8 rows of an n-tile are the 8 columns of the MMA, so a row's arithmetic is the same in every column, every tile
-// (a lone row runs in column 0 with 7 zero columns) and every launch: row invariance. Per step lane (g = lane / 4,
-// q = lane % 4) loads the 8 weights at k = 32 step + 8 q of feature rows g and g + 8 (two 16-byte loads) and the
-// same 8 activations of row g of each n-tile; MMA h (0, 1) takes the weight pairs 4h .. 4h + 3 of those 8 (logical
-// k 2q, 2q + 1, 2q + 8, 2q + 9), so the K permutation inside a step is the same for weights and activations. Each
-// term has its own accumulator; per (feature, row) the value is (hi + mid) + lo, then the S slices in slice order.
+// A warp owns one m-tile of 16 output features and one slice of K (S slices from the weight's shape [n, k] alone,
+// steps of 32 values); the 8 rows of an n-tile are the 8 columns of the MMA, so a row's arithmetic is the same in
+// every column, every tile (a lone row runs in column 0; the other columns are discarded) and every launch: row
+// invariance. Per step lane (g = lane / 4, q = lane % 4) loads its A fragments of feature rows g and g + 8 at
+// k = 32 step + 8 q .. + 7 (two 16-byte loads from the tiled weights, TC_TILE_U4) and the same 8 activations of
+// row g of each n-tile; MMA h (0, 1) takes k 8 q + 4 h .. + 3 (as logical k 2q, 2q + 1, 2q + 8, 2q + 9), so the K
+// permutation inside a step is the same for weights and activations. Each term has its own accumulator; per
+// (feature, row) the value is (hi + mid) + lo, then the S slices in slice order.
 
 // D += A B for one m16n8k16 BF16 MMA (A: 4 registers of 2 BF16, B: 2 registers; f32 accumulators).
 DEV void mma_bf16_16816(float (&d)[4], const u32 a0, const u32 a1, const u32 a2, const u32 a3, const u32 b0,
@@ -40,18 +41,6 @@ DEV void split3(const float x, float& h, float& m, float& l) {
 // Two BF16-exact f32 values as one BF16x2 register (a in the low half: the lower k).
 DEV u32 pack_bf16x2(const float a, const float b) { return __byte_perm(__float_as_uint(a), __float_as_uint(b), 0x7632); }
 
-// Eight BF16 weights at kk .. kk + 7 of a row of K (zeros past K); a 16-byte streaming load when `wvec` and whole.
-DEV uint4 load_w8(const bf16_t* row, u32 kk, u32 K, bool wvec) {
-    if (wvec && kk + 8 <= K) return ldg_stream16_l2pf(row + kk);
-    u32 v[4];
-#pragma unroll
-    for (int e = 0; e < 4; e++) {
-        const u32 lo = kk + 2 * e < K ? (u32)row[kk + 2 * e] : 0u;
-        const u32 hi = kk + 2 * e + 1 < K ? (u32)row[kk + 2 * e + 1] : 0u;
-        v[e] = lo | (hi << 16);
-    }
-    return make_uint4(v[0], v[1], v[2], v[3]);
-}
 // Eight f32 activations at kk .. kk + 7 of a row of K (zeros past K).
 DEV void load_x8_k(const float* row, u32 kk, u32 K, bool xvec, float* x) {
     if (xvec && kk + 8 <= K) {
@@ -62,18 +51,11 @@ DEV void load_x8_k(const float* row, u32 kk, u32 K, bool xvec, float* x) {
     for (int e = 0; e < 8; e++) x[e] = kk + e < K ? row[kk + e] : 0.0f;
 }
 
-// The weights of steps st .. st + U - 1 (below s1) of feature rows wa and wb: lane (g, q) loads k = 32 step + 8 q.
-template <int U>
-DEV void tc_load_batch(uint4 (&wv)[U][2], const bf16_t* wa, const bf16_t* wb, u32 st, u32 s1, u32 q, u32 K,
-                       bool wvec) {
-#pragma unroll
-    for (int u = 0; u < U; u++) {
-        const u32 kk = (st + u) * 32 + q * 8;
-        const bool in = st + u < s1;
-        wv[u][0] = in ? load_w8(wa, kk, K, wvec) : zero4();
-        wv[u][1] = in ? load_w8(wb, kk, K, wvec) : zero4();
-    }
-}
+// The weights in MMA tiles (runtime/src/cuda/weights.rs `tile_linear`): tile (m, step) of 16 features x 32 inputs
+// is 1 KB = 64 uint4 at uint4 (m * steps + step) * 64; lane l reads uint4 l (MMA 0's A fragment: features g, g + 8 at
+// k 8 q + 0 .. 3) and uint4 32 + l (MMA 1's: k 8 q + 4 .. 7), each register one BF16 pair, in the order a0a1, a2a3,
+// a4a5, a6a7 of the m16n8k16 A fragment. Zero-padded to whole tiles.
+#define TC_TILE_U4 64
 // The three BF16 terms of 8 activations as MMA B fragments: xt[e] (e = 0 hi, 1 mid, 2 lo) holds the pairs
 // (0, 1), (2, 3) (MMA 0's b0, b1) and (4, 5), (6, 7) (MMA 1's).
 DEV void tc_split_x(const float (&x)[8], uint4 (&xt)[3]) {
@@ -84,20 +66,19 @@ DEV void tc_split_x(const float (&x)[8], uint4 (&xt)[3]) {
     xt[1] = make_uint4(pack_bf16x2(m[0], m[1]), pack_bf16x2(m[2], m[3]), pack_bf16x2(m[4], m[5]), pack_bf16x2(m[6], m[7]));
     xt[2] = make_uint4(pack_bf16x2(l[0], l[1]), pack_bf16x2(l[2], l[3]), pack_bf16x2(l[4], l[5]), pack_bf16x2(l[6], l[7]));
 }
-// One step of 32 values: the lane's 8 weights of rows g (wa) and g + 8 (wb) against the three terms of its 8
-// activations (`tc_split_x`), each term into its own accumulator. MMA 0 takes the weight pairs (0, 1), (2, 3);
-// MMA 1 (4, 5), (6, 7).
-DEV void tc_step_split(float (&acc)[3][4], const uint4& wa, const uint4& wb, const uint4 (&xt)[3]) {
+// One step of 32 values: the lane's two A fragments of the weight tile (w0: MMA 0, k 8 q + 0 .. 3; w1: MMA 1,
+// k 8 q + 4 .. 7) against the three terms of its 8 activations (`tc_split_x`), each term into its own accumulator.
+DEV void tc_step_split(float (&acc)[3][4], const uint4& w0, const uint4& w1, const uint4 (&xt)[3]) {
 #pragma unroll
-    for (int e = 0; e < 3; e++) mma_bf16_16816(acc[e], wa.x, wb.x, wa.y, wb.y, xt[e].x, xt[e].y);
+    for (int e = 0; e < 3; e++) mma_bf16_16816(acc[e], w0.x, w0.y, w0.z, w0.w, xt[e].x, xt[e].y);
 #pragma unroll
-    for (int e = 0; e < 3; e++) mma_bf16_16816(acc[e], wa.z, wb.z, wa.w, wb.w, xt[e].z, xt[e].w);
+    for (int e = 0; e < 3; e++) mma_bf16_16816(acc[e], w1.x, w1.y, w1.z, w1.w, xt[e].z, xt[e].w);
 }
 // tc_step_split on 8 activations split here.
-DEV void tc_step(float (&acc)[3][4], const uint4& wa, const uint4& wb, const float (&x)[8]) {
+DEV void tc_step(float (&acc)[3][4], const uint4& w0, const uint4& w1, const float (&x)[8]) {
     uint4 xt[3];
     tc_split_x(x, xt);
-    tc_step_split(acc, wa, wb, xt);
+    tc_step_split(acc, w0, w1, xt);
 }
 
 // A lone activation row (T = 1, one row in the launch) split once per block instead of once per step and m-tile:
@@ -107,13 +88,12 @@ DEV void tc_step(float (&acc)[3][4], const uint4& wa, const uint4& wb, const flo
 #define TC_LONE_STEPS 224
 
 // Blocks block, block + nblocks, ... of a launch of nblocks blocks, each (8 / S) m-tiles of 16 output features;
-// T is the row tile (1, 2, 4, 8 or 16: one or two n-tiles), U the steps of loads in flight. wvec: K % 8 == 0 and
-// the weights 16-byte aligned.
+// T is the row tile (1, 2, 4, 8 or 16: one or two n-tiles), U the steps of loads in flight. The weights are in MMA
+// tiles (TC_TILE_U4), so a step's loads are two unconditional 16-byte loads per lane that are its A fragments.
 template <int T, int U>
-DEV void linear_tc_rows(const FpLinear& a, bool wvec, u32 total, u32 block, u32 nblocks) {
+DEV void linear_tc_rows(const FpLinear& a, u32 total, u32 block, u32 nblocks) {
     constexpr int NT = (T + 7) / 8;
     const FpCommon& c = a.c;
-    const bf16_t* W = (const bf16_t*)a.w;
     __shared__ float part[SPLIT_WARPS][16][T];
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 g = lane >> 2, q = lane & 3;
@@ -121,15 +101,16 @@ DEV void linear_tc_rows(const FpLinear& a, bool wvec, u32 total, u32 block, u32 
     const u32 G = SPLIT_WARPS / S, grp = warp / S, sl = warp % S;
     const u32 per_block = G * 16;
     const u32 steps = (a.k + 31) / 32, per = (steps + S - 1) / S;
+    const u32 tiles = (a.n + 15) / 16;
     const u32 s0 = sl * per < steps ? sl * per : steps;
     const u32 s1 = s0 + per < steps ? s0 + per : steps;
     const float* X = fptr(a.x);
     float* O = fptr(a.out);
     const bool xvec = ((u64)X & 15) == 0 && (a.k & 3) == 0;
-    // T = 1 with one row: the block splits the row into shared memory once (tc_split_x).
     __shared__ uint4 xs[T == 1 ? TC_LONE_STEPS * 12 : 1];
     const bool lone = T == 1 && total == 1 && steps <= TC_LONE_STEPS && row_ok(c, 0, a.gathered);
     if (lone) {
+        // T = 1 with one row: the block splits the row into shared memory once (tc_split_x).
         for (u32 j = threadIdx.x; j < steps * 4; j += blockDim.x) {
             float x[8];
             load_x8_k(X, (j / 4) * 32 + (j % 4) * 8, a.k, xvec, x);
@@ -142,10 +123,9 @@ DEV void linear_tc_rows(const FpLinear& a, bool wvec, u32 total, u32 block, u32 
     }
     for (u32 nb0 = block * per_block; nb0 < a.n; nb0 += nblocks * per_block) {
         const u32 n0 = nb0 + grp * 16;
-        // Feature rows g and g + 8 of the m-tile (rows past n read row 0 and are never written).
-        const u32 ra = n0 + g, rb = n0 + g + 8;
-        const bf16_t* wa = W + (u64)(ra < a.n ? ra : 0) * a.k;
-        const bf16_t* wb = W + (u64)(rb < a.n ? rb : 0) * a.k;
+        // The m-tile's weights from step s0 (an m-tile past n reads tile 0 and is never written).
+        const u32 m = n0 / 16 < tiles ? n0 / 16 : 0;
+        const uint4* wt = (const uint4*)a.w + ((u64)m * steps + s0) * TC_TILE_U4 + lane;
         for (u32 i0 = 0; i0 < total; i0 += T) {
             float acc[NT][3][4];
             bool okc[NT];
@@ -161,24 +141,44 @@ DEV void linear_tc_rows(const FpLinear& a, bool wvec, u32 total, u32 block, u32 
                     for (int r = 0; r < 4; r++) acc[nt][e][r] = 0.0f;
             }
             if (lone) {
-                // Only column 0 (lanes g = 0) carries the row; the other columns are zeros, as in tc_step.
-                for (u32 st = s0; st < s1; st += U) {
-                    uint4 wv[U][2];
-                    tc_load_batch<U>(wv, wa, wb, st, s1, q, a.k, wvec);
+                // Column g of the MMA is lane group g's activations: every group reads the row's (shared memory
+                // broadcast), and only column 0 is kept; a column's sums never mix with another column's.
+                const uint4* xp = xs + (s0 * 4 + q) * 3;
+                const uint4* wp = wt;
+                u32 st = s0;
+                for (; st + U <= s1; st += U) {
+                    uint4 w0[U], w1[U];
 #pragma unroll
                     for (int u = 0; u < U; u++) {
-                        if (st + u >= s1) break;
-                        uint4 xt[3];
-#pragma unroll
-                        for (int e = 0; e < 3; e++) xt[e] = g == 0 ? xs[((st + u) * 4 + q) * 3 + e] : zero4();
-                        tc_step_split(acc[0], wv[u][0], wv[u][1], xt);
+                        w0[u] = ldg_stream16_l2pf(wp + u * TC_TILE_U4);
+                        w1[u] = ldg_stream16_l2pf(wp + u * TC_TILE_U4 + 32);
                     }
+#pragma unroll
+                    for (int u = 0; u < U; u++) {
+                        const uint4 xt[3] = {xp[u * 12], xp[u * 12 + 1], xp[u * 12 + 2]};
+                        tc_step_split(acc[0], w0[u], w1[u], xt);
+                    }
+                    wp += U * TC_TILE_U4;
+                    xp += U * 12;
+                }
+                for (; st < s1; st++) {
+                    const uint4 w0 = ldg_stream16_l2pf(wp), w1 = ldg_stream16_l2pf(wp + 32);
+                    const uint4 xt[3] = {xp[0], xp[1], xp[2]};
+                    tc_step_split(acc[0], w0, w1, xt);
+                    wp += TC_TILE_U4;
+                    xp += 12;
                 }
             } else {
                 // Batches of U steps: the batch's weight loads all in flight, then its MMAs.
+                const uint4* wp = wt;
                 for (u32 st = s0; st < s1; st += U) {
-                    uint4 wv[U][2];
-                    tc_load_batch<U>(wv, wa, wb, st, s1, q, a.k, wvec);
+                    uint4 w0[U], w1[U];
+#pragma unroll
+                    for (int u = 0; u < U; u++) {
+                        const bool in = st + u < s1;
+                        w0[u] = in ? ldg_stream16_l2pf(wp + u * TC_TILE_U4) : zero4();
+                        w1[u] = in ? ldg_stream16_l2pf(wp + u * TC_TILE_U4 + 32) : zero4();
+                    }
 #pragma unroll
                     for (int u = 0; u < U; u++) {
                         if (st + u >= s1) break;
@@ -192,9 +192,10 @@ DEV void linear_tc_rows(const FpLinear& a, bool wvec, u32 total, u32 block, u32 
 #pragma unroll
                                 for (int e = 0; e < 8; e++) x[e] = 0.0f;
                             }
-                            tc_step(acc[nt], wv[u][0], wv[u][1], x);
+                            tc_step(acc[nt], w0[u], w1[u], x);
                         }
                     }
+                    wp += U * TC_TILE_U4;
                 }
             }
             // Lane holds (feature g, rows 2q, 2q + 1) and (feature g + 8, the same rows) of each n-tile.

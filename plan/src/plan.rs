@@ -396,6 +396,34 @@ impl PlanBody {
     pub fn weight_index(&self, name: &str) -> Option<usize> {
         self.weights.iter().position(|w| w.name == name)
     }
+    /// How the nodes of all variants read each weight (indexed like [`PlanBody::weights`]): backends lay out the
+    /// weights that only `Linear` nodes read in their own form (the CUDA backend's MMA tiles, MXFP8).
+    pub fn weight_uses(&self) -> Vec<WeightUse> {
+        let mut uses = vec![WeightUse::Unread; self.weights.len()];
+        for v in &self.variants {
+            for node in &v.nodes {
+                for w in node.op.weights() {
+                    let Some(slot) = uses.get_mut(w.0 as usize) else {
+                        continue;
+                    };
+                    let this = match &node.op {
+                        Op::Linear { k, n, .. }
+                            if self.weights[w.0 as usize].shape == [*n as u64, *k as u64] =>
+                        {
+                            WeightUse::Linear { n: *n, k: *k }
+                        }
+                        _ => WeightUse::Other,
+                    };
+                    *slot = match (*slot, this) {
+                        (WeightUse::Unread, t) => t,
+                        (a, b) if a == b => a,
+                        _ => WeightUse::Other,
+                    };
+                }
+            }
+        }
+        uses
+    }
     /// Bytes of the weights of one group.
     pub fn group_bytes(&self, group: WeightGroup) -> u64 {
         self.weights
@@ -405,6 +433,22 @@ impl PlanBody {
             .max()
             .unwrap_or(0)
     }
+}
+
+/// How the nodes of a plan read one weight ([`PlanBody::weight_uses`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightUse {
+    /// No node reads it.
+    Unread,
+    /// Only `Linear` nodes read it, all as the matrix `[n, k]` (out features, in features) that is its shape.
+    Linear {
+        /// Output features (rows of the weight).
+        n: u32,
+        /// Input features (columns).
+        k: u32,
+    },
+    /// Some other node reads it, or a `Linear` reads it in another shape.
+    Other,
 }
 
 /// The plan file header (checked before the body is trusted).

@@ -24,7 +24,7 @@
 //! Non-finite weights (not expected in a checkpoint): `±inf` saturates to `±448 * 2^127` and NaN stays NaN (code
 //! `0x7F`); neither occurs for finite input.
 
-use flashplan_plan::{DrafterForm, Op, PlanBody, StorageForm, WeightGroup};
+use flashplan_plan::{DrafterForm, PlanBody, StorageForm, WeightGroup, WeightUse};
 
 /// Inputs per scale group.
 pub const GROUP: usize = 32;
@@ -291,32 +291,14 @@ pub fn pack_exact(values: &[f32], rows: usize, cols: usize) -> Result<Mxfp8, Pac
 
 /// Which weights a device backend keeps as MXFP8 codes and scales: the 2-D [`StorageForm::Mxfp8`] entries
 /// (`#mxfp8` re-coded drafter linears, the `lm_head.weight#mxfp8` drafting copy, stored MXFP8 linears) that only
-/// [`Op::Linear`] nodes read, each with a shape `[n, k]` matching every such node. One flag per manifest entry.
+/// [`flashplan_plan::Op::Linear`] nodes read, each with a shape `[n, k]` matching every such node. One flag per manifest entry.
 /// Mxfp8 weights read by other ops (experts, shared expert, hc_read, router) are not flagged: their kernels take
 /// BF16.
 pub fn device_mxfp8_weights(body: &PlanBody) -> Vec<bool> {
-    let mut linear = vec![false; body.weights.len()];
-    let mut other = vec![false; body.weights.len()];
-    for v in &body.variants {
-        for node in &v.nodes {
-            for w in node.op.weights() {
-                let i = w.0 as usize;
-                let Some(e) = body.weights.get(i) else {
-                    continue;
-                };
-                match &node.op {
-                    Op::Linear { k, n, .. } if e.shape == [*n as u64, *k as u64] => {
-                        linear[i] = true
-                    }
-                    _ => other[i] = true,
-                }
-            }
-        }
-    }
     body.weights
         .iter()
-        .enumerate()
-        .map(|(i, e)| e.form == StorageForm::Mxfp8 && linear[i] && !other[i])
+        .zip(body.weight_uses())
+        .map(|(e, u)| e.form == StorageForm::Mxfp8 && matches!(u, WeightUse::Linear { .. }))
         .collect()
 }
 

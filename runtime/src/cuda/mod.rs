@@ -195,13 +195,14 @@ impl CudaBackend {
         weights: &[Option<Vec<f32>>],
     ) -> Result<CudaBackend, BackendError> {
         let want = check_plan(&body)?;
+        weights::check_linear_weights(&body)?;
         // Device forms (BF16, or MXFP8 codes and scales: weights.rs) converted here (the GPU thread only copies).
-        let dev = weights::device_forms(&body, weights);
+        let dev = weights::device_forms(&body, weights)?;
         Self::start(body, dev, want)
     }
 
-    /// As [`CudaBackend::new`] with the weights given directly as BF16 bit patterns (`None` entries are not
-    /// loaded): for synthetic full-width models (the benchmark), where f32 host copies would not fit.
+    /// As [`CudaBackend::new`] with the weights given directly as BF16 bit patterns, row-major (`None` entries are
+    /// not loaded; linear weights are tiled here): for synthetic full-width models (the benchmark), where f32 host copies would not fit.
     ///
     /// # Errors
     /// As [`CudaBackend::new`].
@@ -210,10 +211,13 @@ impl CudaBackend {
         weights: Vec<Option<Vec<u16>>>,
     ) -> Result<CudaBackend, BackendError> {
         let want = check_plan(&body)?;
+        weights::check_linear_weights(&body)?;
+        let uses = body.weight_uses();
         let dev = weights
             .into_iter()
-            .map(|w| w.map(weights::DevWeight::Bf16))
-            .collect();
+            .zip(uses)
+            .map(|(w, u)| w.map(|w| weights::bf16_layout(w, u)).transpose())
+            .collect::<Result<_, _>>()?;
         Self::start(body, dev, want)
     }
 

@@ -2,13 +2,16 @@
 //! nodes read ([`crate::mxfp8::device_mxfp8_weights`]), which stay MXFP8 (`linear_mxfp8`, `kernels/mxfp8.cu`).
 //!
 //! Layout of one weight in the weight allocation (each weight starts 256-byte aligned):
-//! - BF16 `[rows, cols]`: `rows * cols` 16-bit patterns, row-major;
+//! - BF16 `[n, k]` read only by `Linear` nodes ([`flashplan_plan::WeightUse::Linear`]): MMA tiles ([`tile_linear`]),
+//!   so that every lane of `linear`'s warps loads its MMA A fragments with two 16-byte loads and no register moves;
+//! - any other BF16 `[rows, cols]`: `rows * cols` 16-bit patterns, row-major;
 //! - MXFP8 `[n, k]`: the E4M3 codes `[n, k]` (one byte each, row-major), then, at the next 256-byte boundary, the
 //!   E8M0 scales `[n, ceil(k / 32)]` (one byte per 32 consecutive inputs of a row, row-major). The weight's address
 //!   is the codes'; the scales' address is kept beside it ([`Placed::scales`]).
 
+use crate::backend::BackendError;
 use crate::mxfp8::{device_mxfp8_weights, pack_exact, Mxfp8};
-use flashplan_plan::PlanBody;
+use flashplan_plan::{Op, PlanBody, WeightUse};
 
 /// Alignment of every piece in the weight allocation, bytes.
 pub(crate) const ALIGN: usize = 256;
@@ -75,15 +78,114 @@ pub(crate) fn place(weights: &[Option<DevWeight>]) -> (Vec<Option<Placed>>, usiz
     (out, total)
 }
 
+/// Output features (rows) of one MMA tile of a linear weight: the m16 of `mma.sync.m16n8k16` (kernels/linear.cuh).
+pub(crate) const TILE_ROWS: usize = 16;
+/// Input features (columns) of one MMA tile: one step of `linear_tc_rows` (two k16 MMAs).
+pub(crate) const TILE_COLS: usize = 32;
+
+/// Position in [`tile_linear`]'s layout of element `(row, col)` of a weight with `k` columns.
+///
+/// Tile `(m, s)` (rows `16 m ..`, columns `32 s ..`) is 1 KB at element `(m * ceil(k / 32) + s) * 512`. Lane
+/// `l = 4 g + q` of a warp reads, for half `h` (0, 1: the step's two MMAs), the 16 bytes at element
+/// `256 h + 8 l`: its four A-fragment registers `j = 0 .. 3` for `mma.sync.m16n8k16` (PTX ISA, "Matrix Fragments
+/// for mma.m16n8k16": a0a1 row g, a2a3 row g + 8, a4a5 row g, a6a7 row g + 8), register `j` holding the pair of
+/// columns `8 q + 4 h + 2 (j / 2) + {0, 1}` of row `g + 8 (j % 2)` of the tile (lower column in the low half).
+/// This is the K permutation `linear_tc_rows` applies to the activations within a step (kernels/linear.cuh).
+pub(crate) fn tile_index(row: usize, col: usize, k: usize) -> usize {
+    let steps = k.div_ceil(TILE_COLS);
+    let (m, r) = (row / TILE_ROWS, row % TILE_ROWS);
+    let (s, c) = (col / TILE_COLS, col % TILE_COLS);
+    let (g, hi) = (r % 8, r / 8);
+    let (q, h, pair, e) = (c / 8, (c % 8) / 4, (c % 4) / 2, c % 2);
+    let lane = 4 * g + q;
+    let j = hi + 2 * pair;
+    (m * steps + s) * TILE_ROWS * TILE_COLS + h * 256 + lane * 8 + j * 2 + e
+}
+
+/// A BF16 linear weight `[n, k]` (row-major bit patterns) in MMA tiles ([`tile_index`]), zero-padded to whole
+/// tiles: `ceil(n / 16) * ceil(k / 32) * 512` elements. The padding is zero, so `linear` reads whole tiles with no
+/// bounds checks (padded rows are never written out; padded columns meet zero activations).
+///
+/// # Panics
+/// If `w.len() != n * k` (the caller checked the shape against the manifest).
+pub(crate) fn tile_linear(w: &[u16], n: usize, k: usize) -> Vec<u16> {
+    assert_eq!(
+        w.len(),
+        n * k,
+        "tile_linear: {} values for [{n}, {k}]",
+        w.len()
+    );
+    let mut out = vec![0u16; n.div_ceil(TILE_ROWS) * k.div_ceil(TILE_COLS) * TILE_ROWS * TILE_COLS];
+    for (row, vals) in w.chunks_exact(k.max(1)).enumerate() {
+        for (col, &v) in vals.iter().enumerate() {
+            out[tile_index(row, col, k)] = v;
+        }
+    }
+    out
+}
+
+/// Checks that every weight a `Linear` node reads is read only by `Linear` nodes, as the matrix `[n, k]` of its
+/// shape: the CUDA backend holds such weights in MMA tiles (or MXFP8), which no other kernel reads.
+///
+/// # Errors
+/// [`BackendError::Device`] naming the first weight that a `Linear` node and another node (or a `Linear` of
+/// another shape) both read. The compiler never plans one (`tie_word_embeddings` is refused by the config).
+pub(crate) fn check_linear_weights(body: &PlanBody) -> Result<(), BackendError> {
+    let uses = body.weight_uses();
+    for v in &body.variants {
+        for node in &v.nodes {
+            if let Op::Linear { w, n, k, .. } = &node.op {
+                let i = w.0 as usize;
+                if !matches!(uses.get(i), Some(WeightUse::Linear { .. })) {
+                    let name = body.weights.get(i).map_or("?", |e| e.name.as_str());
+                    return Err(BackendError::Device(format!(
+                        "weight {name} is read by a `linear` node ({}: [{n}, {k}]) and by another node or in \
+                         another shape; the CUDA backend holds linear weights in MMA tiles only `linear` reads",
+                        v.kind.name()
+                    )));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A BF16 weight (row-major bit patterns) in its device layout: MMA tiles for a weight only `Linear` nodes read,
+/// else as given.
+///
+/// # Errors
+/// [`BackendError::Device`] when a linear weight does not hold `n * k` values.
+pub(crate) fn bf16_layout(w: Vec<u16>, u: WeightUse) -> Result<DevWeight, BackendError> {
+    match u {
+        WeightUse::Linear { n, k } => {
+            let (n, k) = (n as usize, k as usize);
+            if w.len() != n * k {
+                return Err(BackendError::Device(format!(
+                    "a linear weight [{n}, {k}] holds {} values, expected {}",
+                    w.len(),
+                    n * k
+                )));
+            }
+            Ok(DevWeight::Bf16(tile_linear(&w, n, k)))
+        }
+        _ => Ok(DevWeight::Bf16(w)),
+    }
+}
+
 /// The device forms of the host weights (f32, indexed like `body.weights`; `None` is not loaded): MXFP8 codes and
-/// scales for [`device_mxfp8_weights`], packed losslessly ([`pack_exact`]), BF16 (round to nearest) for the rest.
+/// scales for [`device_mxfp8_weights`], packed losslessly ([`pack_exact`]), BF16 (round to nearest) for the rest
+/// ([`bf16_layout`]: MMA tiles for linear weights).
 /// An MXFP8 weight whose values cannot be packed without changing them (not expected: re-coded and stored MXFP8
 /// values always can, unless a stored group overflows f32) is uploaded as BF16, with a warning, and runs `linear`.
+///
+/// # Errors
+/// As [`bf16_layout`].
 pub(crate) fn device_forms(
     body: &PlanBody,
     weights: &[Option<Vec<f32>>],
-) -> Vec<Option<DevWeight>> {
+) -> Result<Vec<Option<DevWeight>>, BackendError> {
     let mx = device_mxfp8_weights(body);
+    let uses = body.weight_uses();
     let mut out = Vec::with_capacity(weights.len());
     for (i, w) in weights.iter().enumerate() {
         let Some(w) = w else {
@@ -104,21 +206,102 @@ pub(crate) fn device_forms(
         };
         let dev = match packed {
             Some(m) => DevWeight::Mxfp8(m),
-            None => DevWeight::Bf16(
+            None => bf16_layout(
                 w.iter()
                     .map(|x| half::bf16::from_f32(*x).to_bits())
                     .collect(),
-            ),
+                uses.get(i).copied().unwrap_or(WeightUse::Other),
+            )?,
         };
         out.push(Some(dev));
     }
-    out
+    Ok(out)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::mxfp8::{dequantize_stored, e4m3_decode, e8m0_decode, quantize};
+
+    /// The m16n8k16 A fragment as the PTX ISA gives it ("Matrix Fragments for mma.m16n8k16 with floating point
+    /// type"): register pair i = 0 .. 7 of lane (g, q) is row g + 8 ((i / 2) % 2), column 2 q + i % 2 + 8 (i / 4).
+    fn a_fragment(lane: usize, i: usize) -> (usize, usize) {
+        let (g, q) = (lane / 4, lane % 4);
+        (g + 8 * ((i / 2) % 2), 2 * q + i % 2 + 8 * (i / 4))
+    }
+
+    #[test]
+    fn tiles_hold_each_lanes_a_fragments_in_the_activations_k_order() {
+        // Shape with padding in both dimensions; values distinct and non-zero.
+        let (n, k) = (37usize, 70usize);
+        let w: Vec<u16> = (0..n * k).map(|i| 1 + i as u16).collect();
+        let t = tile_linear(&w, n, k);
+        let steps = k.div_ceil(32);
+        assert_eq!(t.len(), n.div_ceil(16) * steps * 512);
+        for m in 0..n.div_ceil(16) {
+            for s in 0..steps {
+                for lane in 0..32 {
+                    for h in 0..2 {
+                        // The 16 bytes lane reads for MMA h: A registers a0a1, a2a3, a4a5, a6a7.
+                        let at = (m * steps + s) * 512 + h * 256 + lane * 8;
+                        for i in 0..8 {
+                            let (row, logical) = a_fragment(lane, i);
+                            // linear_tc_rows' activation order within a step: MMA h's logical k 2q + e and
+                            // 2q + 8 + e are inputs 8q + 4h + e and 8q + 4h + 2 + e (tc_split_x's pairs).
+                            let q = lane % 4;
+                            let col = 8 * q + 4 * h + 2 * (logical / 8) + logical % 2;
+                            let (r, c) = (16 * m + row, 32 * s + col);
+                            let want = if r < n && c < k { w[r * k + c] } else { 0 };
+                            assert_eq!(t[at + i], want, "m {m} s {s} lane {lane} h {h} a{i}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_linear_weight_of_the_plans_is_read_only_by_linears() {
+        let body = super::super::fuse::tests::tiny_plan();
+        check_linear_weights(&body).expect("tiny plan");
+        let uses = body.weight_uses();
+        let lm = body.weight_index("lm_head.weight").expect("lm_head");
+        assert_eq!(
+            uses[lm],
+            WeightUse::Linear {
+                n: body.config.vocab_size,
+                k: body.config.hidden_size
+            }
+        );
+        // A linear weight that another node also reads is refused by name.
+        let mut shared = body.clone();
+        let embed = shared.weight_index("embed_tokens.weight").expect("embed");
+        for v in &mut shared.variants {
+            for node in &mut v.nodes {
+                if let Op::Linear { w, .. } = &mut node.op {
+                    if w.0 as usize == lm {
+                        w.0 = embed as u32;
+                    }
+                }
+            }
+        }
+        let err = check_linear_weights(&shared).expect_err("shared with the embedding");
+        assert!(err.to_string().contains("embed_tokens.weight"), "{err}");
+    }
+
+    #[test]
+    fn only_linear_weights_are_tiled() {
+        let w = vec![7u16; 6];
+        assert!(
+            matches!(bf16_layout(w.clone(), WeightUse::Other), Ok(DevWeight::Bf16(v)) if v == w)
+        );
+        let Ok(DevWeight::Bf16(t)) = bf16_layout(w.clone(), WeightUse::Linear { n: 2, k: 3 })
+        else {
+            panic!("tiled");
+        };
+        assert_eq!(t.len(), 512);
+        assert!(bf16_layout(w, WeightUse::Linear { n: 4, k: 3 }).is_err());
+    }
 
     #[test]
     fn mxfp8_pieces_hold_codes_then_aligned_scales() {
