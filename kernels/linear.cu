@@ -16,6 +16,17 @@ extern "C" __global__ void linear_t4(const FpLinear p) { pdl_start(); linear_ent
 extern "C" __global__ void linear_t8(const FpLinear p) { pdl_start(); linear_entry<8>(p, blockIdx.x, gridDim.x); }
 extern "C" __global__ void linear_t16(const FpLinear p) { pdl_start(); linear_entry<16>(p, blockIdx.x, gridDim.x); }
 
+// linear_split, linear_multi_split: the rows' BF16 terms into the scratch (linear.cuh `linear_split_rows`), the
+// first launch of a linear node of two rows or more (runtime/src/cuda/launch.rs).
+extern "C" __global__ void linear_split(const FpLinear p) {
+    pdl_start();
+    linear_split_rows(p.c, p.x, p.k, linear_total(p.c, p.sub, p.gathered), p.sub, p.gathered);
+}
+extern "C" __global__ void linear_multi_split(const FpLinearMulti p) {
+    pdl_start();
+    linear_split_rows(p.c, p.x, p.k, linear_total(p.c, p.sub, p.gathered), p.sub, p.gathered);
+}
+
 // linear_multi: up to FP_MAX_LINEARS sibling `linear`s reading the same x, one launch (the runtime fuses consecutive
 // Linear nodes, runtime/src/cuda/fuse.rs). Block b belongs to matrix m where b falls in m's range of the prefix sums
 // of blocks[] (blocks[m] = m's own `linear` grid, same row tile T and split S: the runtime only joins linears

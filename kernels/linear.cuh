@@ -81,6 +81,32 @@ DEV void tc_step(float (&acc)[3][4], const uint4& w0, const uint4& w1, const flo
     tc_step_split(acc, w0, w1, xt);
 }
 
+// The three BF16 terms of every row of x [total, k] in MMA B-fragment form, for the linears of two rows or more
+// (T >= 2), into the scratch (each node's own; runtime/src/cuda/launch.rs `scratch_elems`): uint4 entry
+// ((i * steps + step) * 4 + q) * 3 + e is term e of `tc_split_x` of x[i, 32 step + 8 q .. + 7] (zeros past k, and
+// for rows that are not real: the zeros linear_tc_rows would load). Done once per launch instead of once per step
+// and m-tile; the MMAs then take the same registers, so the results are the same bits.
+DEV void linear_split_rows(const FpCommon& c, u64 x, u32 k, u32 total, u32 sub, u32 gathered) {
+    const u32 steps = (k + 31) / 32, per_row = steps * 4;
+    const float* X = fptr(x);
+    const bool xvec = ((u64)X & 15) == 0 && (k & 3) == 0;
+    uint4* out = (uint4*)c.scratch;
+    for (u32 j = blockIdx.x * blockDim.x + threadIdx.x; j < total * per_row; j += gridDim.x * blockDim.x) {
+        const u32 i = j / per_row, sq = j % per_row;
+        float xv[8];
+        if (row_ok(c, i / sub, gathered)) {
+            load_x8_k(X + (u64)i * k, sq * 8, k, xvec, xv);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; e++) xv[e] = 0.0f;
+        }
+        uint4 xt[3];
+        tc_split_x(xv, xt);
+#pragma unroll
+        for (int e = 0; e < 3; e++) out[(u64)j * 3 + e] = xt[e];
+    }
+}
+
 // A lone activation row (T = 1, one row in the launch) split once per block instead of once per step and m-tile:
 // its three terms in MMA fragment form, [step][q][term] (`tc_split_x` of x[32 step + 8 q ..]), for K of at most
 // TC_LONE_STEPS steps of 32 (the static shared memory: 192 bytes per step). The MMAs take the same registers as
@@ -168,8 +194,49 @@ DEV void linear_tc_rows(const FpLinear& a, u32 total, u32 block, u32 nblocks) {
                     wp += TC_TILE_U4;
                     xp += 12;
                 }
+            } else if (T >= 2) {
+                // The rows' terms as linear_split left them in the scratch: n-tile nt's lane (g, q) takes row
+                // i0 + 8 nt + g (a row past the launch's rows reads row 0; columns from T on are never written).
+                const uint4* xb[NT];
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) {
+                    const u32 r = i0 + nt * 8 + g;
+                    xb[nt] = (const uint4*)c.scratch + ((u64)(r < total ? r : 0) * steps + s0) * 12 + q * 3;
+                }
+                const uint4* wp = wt;
+                u32 st = s0;
+                for (; st + U <= s1; st += U) {
+                    uint4 w0[U], w1[U];
+#pragma unroll
+                    for (int u = 0; u < U; u++) {
+                        w0[u] = ldg_stream16_l2pf(wp + u * TC_TILE_U4);
+                        w1[u] = ldg_stream16_l2pf(wp + u * TC_TILE_U4 + 32);
+                    }
+#pragma unroll
+                    for (int u = 0; u < U; u++)
+#pragma unroll
+                        for (int nt = 0; nt < NT; nt++) {
+                            const uint4* xp = xb[nt] + u * 12;
+                            const uint4 xt[3] = {__ldg(xp), __ldg(xp + 1), __ldg(xp + 2)};
+                            tc_step_split(acc[nt], w0[u], w1[u], xt);
+                        }
+                    wp += U * TC_TILE_U4;
+#pragma unroll
+                    for (int nt = 0; nt < NT; nt++) xb[nt] += U * 12;
+                }
+                for (; st < s1; st++) {
+                    const uint4 w0 = ldg_stream16_l2pf(wp), w1 = ldg_stream16_l2pf(wp + 32);
+#pragma unroll
+                    for (int nt = 0; nt < NT; nt++) {
+                        const uint4 xt[3] = {__ldg(xb[nt]), __ldg(xb[nt] + 1), __ldg(xb[nt] + 2)};
+                        tc_step_split(acc[nt], w0, w1, xt);
+                        xb[nt] += 12;
+                    }
+                    wp += TC_TILE_U4;
+                }
             } else {
-                // Batches of U steps: the batch's weight loads all in flight, then its MMAs.
+                // One row past TC_LONE_STEPS steps, or one of several rows in a tile of one:
+                // batches of U steps, the batch's weight loads all in flight, then its MMAs.
                 const uint4* wp = wt;
                 for (u32 st = s0; st < s1; st += U) {
                     uint4 w0[U], w1[U];

@@ -59,6 +59,14 @@ impl LaunchSpec {
             .push((kernel, (grid.0.max(1), grid.1.max(1), grid.2.max(1)), block));
         self
     }
+    /// The node's kernel for reports: the first launch's, or `<linear entry>+split` when the first launch only
+    /// splits the rows for the linear that follows ([`with_split`]).
+    pub fn name(&self) -> String {
+        match self.then.first() {
+            Some((k, ..)) if self.kernel.ends_with("_split") => format!("{k}+split"),
+            _ => self.kernel.to_string(),
+        }
+    }
     /// Kernel launches of this node (1 + follow-ups).
     pub fn launches(&self) -> usize {
         1 + self.then.len()
@@ -197,6 +205,10 @@ pub(crate) fn scratch_elems(body: &PlanBody, op: &Op, rows: u64) -> u64 {
         // SamplePart (32 bytes) per (item, part); items <= rows.
         Op::Sample { .. } => rows * SAMPLE_PARTS as u64 * 8,
         Op::HcRead { hc, rank, dim, .. } => rows * (*rank as u64 + *hc as u64 * *dim as u64),
+        // linear_split's BF16 terms: 3 x 16 bytes per (sub-row, step of 32, quarter) from two sub-rows on.
+        Op::Linear { k, sub, .. } if rows * *sub as u64 >= 2 => {
+            rows * *sub as u64 * k.div_ceil(32) as u64 * 4 * 12
+        }
         // The gate of each (row, hyper-connection group), from ple_mix to ple_mix_conv.
         Op::PleMix { hc, .. } => rows * *hc as u64,
         _ => 0,
@@ -359,12 +371,32 @@ fn linear_multi(a: &Addrs, v: &Variant, ops: &[&Op]) -> Result<LaunchSpec, Backe
         grid += m.blocks[i];
         total = t;
     }
-    Ok(LaunchSpec::new(
+    Ok(with_split(
+        "linear_multi_split",
         by_rows(LINEAR_MULTI, total),
         bytes(&m),
-        (grid, 1, 1),
-        256,
+        total,
+        m.k,
+        grid,
     ))
+}
+
+/// The launch of a BF16 linear (`kernel`, grid of `grid` blocks) over `total` rows of x with `k` inputs: from two
+/// rows on, `split` (`linear_split` or `linear_multi_split`, same parameters) first leaves the rows' BF16 terms in
+/// the scratch ([`scratch_elems`]) for `linear_tc_rows` to read instead of splitting them at every step and m-tile.
+fn with_split(
+    split: &'static str,
+    kernel: &'static str,
+    params: Vec<u8>,
+    total: u32,
+    k: u32,
+    grid: u32,
+) -> LaunchSpec {
+    if total < 2 {
+        return LaunchSpec::new(kernel, params, (grid.max(1), 1, 1), 256);
+    }
+    let items = total * k.div_ceil(32) * 4;
+    LaunchSpec::new(split, params, (items.div_ceil(256).max(1), 1, 1), 256).then(kernel, grid, 256)
 }
 
 /// Launch specs of a variant, one entry per node in node order. With `fuse_linears`, each run of sibling linears
@@ -665,11 +697,13 @@ pub(crate) fn spec(
             let (p, total, per_block) = linear_params(a, v, op)?;
             match a.mxfp8_scales.get(w.0 as usize) {
                 Some(&scales) if scales != 0 => linear_mxfp8(&p, scales, total),
-                _ => one(
+                _ => with_split(
+                    "linear_split",
                     by_rows(LINEAR, total),
                     bytes(&p),
+                    total,
+                    p.k,
                     n.div_ceil(per_block),
-                    256,
                 ),
             }
         }
@@ -1318,6 +1352,41 @@ mod tests {
             [true, true],
             "variants of both kinds with a GDN commit"
         );
+    }
+
+    #[test]
+    fn linears_of_two_rows_or_more_split_their_rows_first() {
+        let mut seen = [false; 2];
+        for (v, sp) in tiny_specs(true) {
+            for (n, s) in v.nodes.iter().zip(&sp) {
+                let (Op::Linear { x, k, sub, .. }, Some(s)) = (&n.op, s) else {
+                    continue;
+                };
+                if s.kernel.starts_with("linear_mxfp8") {
+                    continue;
+                }
+                let (streams, window) = v.kind.shape();
+                let gathered = fuse::linear_gathered(&v, *x, *k, *sub);
+                let total = if gathered { streams } else { streams * window } * sub;
+                let tile = |k: &str| k.rsplit('t').next().and_then(|t| t.parse::<u32>().ok());
+                if total >= 2 {
+                    seen[1] = true;
+                    assert!(
+                        s.kernel == "linear_split" || s.kernel == "linear_multi_split",
+                        "{}: {}",
+                        v.kind.name(),
+                        s.kernel
+                    );
+                    assert_eq!(s.then.len(), 1);
+                    assert!(tile(s.then[0].0).is_some_and(|t| t >= 2), "{}", s.then[0].0);
+                } else {
+                    seen[0] = true;
+                    assert_eq!(tile(s.kernel), Some(1), "{}: {}", v.kind.name(), s.kernel);
+                    assert!(s.then.is_empty());
+                }
+            }
+        }
+        assert_eq!(seen, [true, true], "linears of one row and of several");
     }
 
     #[test]

@@ -140,7 +140,8 @@ pub struct CaptureInfo {
 pub struct BenchResult {
     /// Median replay time (CUDA events), microseconds.
     pub median_us: f64,
-    /// Per-kernel time summed over the nodes of one replay, microseconds, by kernel name; a node's time is measured
+    /// Per-kernel time summed over the nodes of one replay, microseconds, by kernel name (`LaunchSpec::name`: the
+    /// first launch's, or `linear_tN+split` for a linear of several rows); a node's time is measured
     /// inside a graph of 20 back-to-back copies of it (so it includes the in-graph launch gap).
     pub kernels_us: Vec<(String, f64)>,
     /// Each node's in-graph time (best of three graph replays, per copy), microseconds, in node order. A run of
@@ -1127,7 +1128,7 @@ impl Worker {
                 })?;
                 best = best.min(ms as f64 * 1e3 / NODE_REPEATS as f64);
             }
-            *per.entry(sp.kernel.to_string()).or_default() += best;
+            *per.entry(sp.name()).or_default() += best;
             nodes_us.push(best);
         }
         let mut kernels_us: Vec<(String, f64)> = per.into_iter().collect();
