@@ -216,7 +216,13 @@ DEV void hc_mix_t(const FpHcRead& p, u32 nrows) {
             for (int t = 0; t < T; t++) ok[t] = i0 + t < nrows && row_ok(c, i0 + t, p.gathered);
             float val[HC_MAX / 4][T];
 #pragma unroll
+            for (int j = 0; j < HC_MAX / 4; j++)
+#pragma unroll
+                for (int t = 0; t < T; t++) val[j][t] = 0.0f;
+#pragma unroll
             for (int j = 0; j < HC_MAX / 4; j++) {
+                // Rounds j whose groups hold no hyper-connection are skipped (the same j for the whole warp).
+                if (4u * j >= p.hc) break;
                 const u32 cc = g + 4 * j;
                 float acc[T];
 #pragma unroll
@@ -268,12 +274,14 @@ DEV void hc_mix_t(const FpHcRead& p, u32 nrows) {
             for (int t = 0; t < T; t++) {
                 float a = 0.0f;
 #pragma unroll
-                for (int j = 0; j < HC_MAX / 4; j++)
+                for (int j = 0; j < HC_MAX / 4; j++) {
+                    if (4u * j >= p.hc) break;
 #pragma unroll
                     for (int gg = 0; gg < 4; gg++) {
                         const float v = __shfl_sync(FULL_MASK, val[j][t], gg * 8);
                         if ((u32)(gg + 4 * j) < p.hc) a += v;
                     }
+                }
                 if (lane == 0 && ok[t]) fptr(p.out)[(u64)(i0 + t) * p.dim + d] = a / (float)p.hc;
             }
         }
