@@ -8,7 +8,7 @@
 template <int T>
 DEV void linear_entry(const FpLinear& p, u32 block, u32 nblocks) {
     const u32 total = linear_total(p.c, p.sub, p.gathered);
-    linear_tc_rows<T, 4>(p, total, block, nblocks);
+    linear_tc_rows<T, 4>(p, total, block, nblocks, (const uint4*)p.c.scratch, LinearStore{});
 }
 extern "C" __global__ void __launch_bounds__(256, 3) linear_t1(const FpLinear p) { pdl_start(); linear_entry<1>(p, blockIdx.x, gridDim.x); }
 extern "C" __global__ void __launch_bounds__(256, 3) linear_t2(const FpLinear p) { pdl_start(); linear_entry<2>(p, blockIdx.x, gridDim.x); }
@@ -20,11 +20,11 @@ extern "C" __global__ void linear_t16(const FpLinear p) { pdl_start(); linear_en
 // first launch of a linear node of two rows or more (runtime/src/cuda/launch.rs).
 extern "C" __global__ void linear_split(const FpLinear p) {
     pdl_start();
-    linear_split_rows(p.c, p.x, p.k, linear_total(p.c, p.sub, p.gathered), p.sub, p.gathered);
+    linear_split_rows(p.c, p.x, p.k, linear_total(p.c, p.sub, p.gathered), p.sub, p.gathered, (uint4*)p.c.scratch);
 }
 extern "C" __global__ void linear_multi_split(const FpLinearMulti p) {
     pdl_start();
-    linear_split_rows(p.c, p.x, p.k, linear_total(p.c, p.sub, p.gathered), p.sub, p.gathered);
+    linear_split_rows(p.c, p.x, p.k, linear_total(p.c, p.sub, p.gathered), p.sub, p.gathered, (uint4*)p.c.scratch);
 }
 
 // linear_multi: up to FP_MAX_LINEARS sibling `linear`s reading the same x, one launch (the runtime fuses consecutive

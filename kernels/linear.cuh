@@ -82,15 +82,14 @@ DEV void tc_step(float (&acc)[3][4], const uint4& w0, const uint4& w1, const flo
 }
 
 // The three BF16 terms of every row of x [total, k] in MMA B-fragment form, for the linears of two rows or more
-// (T >= 2), into the scratch (each node's own; runtime/src/cuda/launch.rs `scratch_elems`): uint4 entry
+// (T >= 2), into `out` (in the node's own scratch; runtime/src/cuda/launch.rs `scratch_elems`): uint4 entry
 // ((i * steps + step) * 4 + q) * 3 + e is term e of `tc_split_x` of x[i, 32 step + 8 q .. + 7] (zeros past k, and
 // for rows that are not real: the zeros linear_tc_rows would load). Done once per launch instead of once per step
 // and m-tile; the MMAs then take the same registers, so the results are the same bits.
-DEV void linear_split_rows(const FpCommon& c, u64 x, u32 k, u32 total, u32 sub, u32 gathered) {
+DEV void linear_split_rows(const FpCommon& c, u64 x, u32 k, u32 total, u32 sub, u32 gathered, uint4* out) {
     const u32 steps = (k + 31) / 32, per_row = steps * 4;
     const float* X = fptr(x);
     const bool xvec = ((u64)X & 15) == 0 && (k & 3) == 0;
-    uint4* out = (uint4*)c.scratch;
     for (u32 j = blockIdx.x * blockDim.x + threadIdx.x; j < total * per_row; j += gridDim.x * blockDim.x) {
         const u32 i = j / per_row, sq = j % per_row;
         float xv[8];
@@ -113,11 +112,34 @@ DEV void linear_split_rows(const FpCommon& c, u64 x, u32 k, u32 total, u32 sub, 
 // from `tc_step`, so the results are the same bits.
 #define TC_LONE_STEPS 224
 
+// The linear's own epilogue: out[i, n] (+)= the sum of the S slices of (feature n, row i), in slice order. part:
+// the block's partial sums [warp][feature in the m-tile][row in the tile]; nb0: the block's first feature; i0: the
+// tile's first row; G m-tiles of S slices per block.
+struct LinearStore {
+    template <int T>
+    DEV void operator()(const FpLinear& a, float (&part)[SPLIT_WARPS][16][T], u32 nb0, u32 i0, u32 G, u32 S,
+                        u32 total) const {
+        float* O = fptr(a.out);
+        for (u32 idx = threadIdx.x; idx < G * 16 * T; idx += blockDim.x) {
+            const u32 gg = idx / (16 * T), f = (idx / T) % 16, t = idx % T;
+            const u32 n = nb0 + gg * 16 + f, i = i0 + t;
+            if (n >= a.n || i >= total || !row_ok(a.c, i / a.sub, a.gathered)) continue;
+            float v = 0.0f;
+            for (u32 s = 0; s < S; s++) v += part[gg * S + s][f][t];
+            float* o = O + (u64)i * a.n + n;
+            *o = a.accumulate ? *o + v : v;
+        }
+    }
+};
+
 // Blocks block, block + nblocks, ... of a launch of nblocks blocks, each (8 / S) m-tiles of 16 output features;
 // T is the row tile (1, 2, 4, 8 or 16: one or two n-tiles), U the steps of loads in flight. The weights are in MMA
 // tiles (TC_TILE_U4), so a step's loads are two unconditional 16-byte loads per lane that are its A fragments.
-template <int T, int U>
-DEV void linear_tc_rows(const FpLinear& a, u32 total, u32 block, u32 nblocks) {
+// xsplit: the rows' terms from linear_split_rows (read from two rows on); store: the epilogue (LinearStore, or
+// norm.cu's hyper-connection mix).
+template <int T, int U, class Store>
+DEV void linear_tc_rows(const FpLinear& a, u32 total, u32 block, u32 nblocks, const uint4* xsplit,
+                        const Store& store) {
     constexpr int NT = (T + 7) / 8;
     const FpCommon& c = a.c;
     __shared__ float part[SPLIT_WARPS][16][T];
@@ -131,7 +153,6 @@ DEV void linear_tc_rows(const FpLinear& a, u32 total, u32 block, u32 nblocks) {
     const u32 s0 = sl * per < steps ? sl * per : steps;
     const u32 s1 = s0 + per < steps ? s0 + per : steps;
     const float* X = fptr(a.x);
-    float* O = fptr(a.out);
     const bool xvec = ((u64)X & 15) == 0 && (a.k & 3) == 0;
     __shared__ uint4 xs[T == 1 ? TC_LONE_STEPS * 12 : 1];
     const bool lone = T == 1 && total == 1 && steps <= TC_LONE_STEPS && row_ok(c, 0, a.gathered);
@@ -195,13 +216,13 @@ DEV void linear_tc_rows(const FpLinear& a, u32 total, u32 block, u32 nblocks) {
                     xp += 12;
                 }
             } else if (T >= 2) {
-                // The rows' terms as linear_split left them in the scratch: n-tile nt's lane (g, q) takes row
+                // The rows' terms as linear_split_rows left them (xsplit): n-tile nt's lane (g, q) takes row
                 // i0 + 8 nt + g (a row past the launch's rows reads row 0; columns from T on are never written).
                 const uint4* xb[NT];
 #pragma unroll
                 for (int nt = 0; nt < NT; nt++) {
                     const u32 r = i0 + nt * 8 + g;
-                    xb[nt] = (const uint4*)c.scratch + ((u64)(r < total ? r : 0) * steps + s0) * 12 + q * 3;
+                    xb[nt] = xsplit + ((u64)(r < total ? r : 0) * steps + s0) * 12 + q * 3;
                 }
                 const uint4* wp = wt;
                 u32 st = s0;
@@ -274,15 +295,7 @@ DEV void linear_tc_rows(const FpLinear& a, u32 total, u32 block, u32 nblocks) {
                     if (t < (u32)T) part[warp][f][t] = (acc[nt][0][r] + acc[nt][1][r]) + acc[nt][2][r];
                 }
             __syncthreads();
-            for (u32 idx = threadIdx.x; idx < G * 16 * T; idx += blockDim.x) {
-                const u32 gg = idx / (16 * T), f = (idx / T) % 16, t = idx % T;
-                const u32 n = nb0 + gg * 16 + f, i = i0 + t;
-                if (n >= a.n || i >= total || !row_ok(c, i / a.sub, a.gathered)) continue;
-                float v = 0.0f;
-                for (u32 s = 0; s < S; s++) v += part[gg * S + s][f][t];
-                float* o = O + (u64)i * a.n + n;
-                *o = a.accumulate ? *o + v : v;
-            }
+            store(a, part, nb0, i0, G, S, total);
             __syncthreads();
         }
     }

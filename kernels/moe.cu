@@ -281,7 +281,11 @@ extern "C" __global__ void experts_down(const FpExperts p) {
         const u32* ids = uptr(p.ids) + (u64)r * p.topk;
         float part[MOE_MAX_TOPK / 4];
 #pragma unroll
+        for (int j = 0; j < MOE_MAX_TOPK / 4; j++) part[j] = 0.0f;
+#pragma unroll
         for (int j = 0; j < MOE_MAX_TOPK / 4; j++) {
+            // Rounds whose lane groups hold no rank are skipped (the same j for the whole warp).
+            if (4u * j >= p.topk) break;
             const u32 i = g + 4 * j;
             float acc = 0.0f;
             if (i < p.topk) {
@@ -311,13 +315,15 @@ extern "C" __global__ void experts_down(const FpExperts p) {
         }
         float out = 0.0f;
 #pragma unroll
-        for (int j = 0; j < MOE_MAX_TOPK / 4; j++)
+        for (int j = 0; j < MOE_MAX_TOPK / 4; j++) {
+            if (4u * j >= p.topk) break;
 #pragma unroll
             for (int gg = 0; gg < 4; gg++) {
                 const float t = __shfl_sync(FULL_MASK, part[j], gg * 8);
                 const u32 i = gg + 4 * j;
                 if (i < p.topk) out += fptr(p.weights)[(u64)r * p.topk + i] * t;
             }
+        }
         if (lane == 0) fptr(p.out)[(u64)r * D + d] = out;
     }
 }

@@ -1,5 +1,6 @@
 // Normalisations: rms_norm, gated_norm and the fused hyper-connection read hc_read. One block per row.
 #include "common.cuh"
+#include "linear.cuh"
 
 #define HC_MAX 16
 
@@ -51,13 +52,14 @@ extern "C" __global__ void gated_norm(const FpGatedNorm p) {
     }
 }
 
-// Hyper-connection read in three launches (one node). Hn = grouped RMSNorm(H, hc_norm) (groups of dim);
+// Hyper-connection read in three or four launches (one node). Hn = grouped RMSNorm(H, hc_norm) (groups of dim);
 // lo = silu(W_down Hn / C), inj[c] = 2 sigmoid(W_inj[c] . Hn / C), a[d] = mean_c sigmoid(W_up lo)[c*D+d] * Hn[c*D+d].
 // - hc_norm: block per (row, hyper-connection): Hn into scratch [rows, C*D];
 // - hc_read: split-K block dots (common.cuh `slice_dots`) of HC_NPW outputs of [W_down; W_inj] per block over Hn,
 //   every row; lo into scratch [rows, rank] after Hn;
-// - hc_read_mix: warp per output d, lane group g (8 lanes) per hyper-connection c = g, g + 4, ...: sigmoid(up . lo)
-//   times Hn, summed over c in order; each lane has all its up chunks in flight at once.
+// - from two rows on, hc_mix_split: lo's rows into their BF16 terms (the linears' `linear_split_rows`);
+// - hc_mix_tc: the gates W_up lo on tensor cores (`linear_tc_rows`, up tiled feature-major) and the mix over c in
+//   order as its epilogue (HcMixStore below).
 #define HC_NPW 2
 
 DEV u32 hc_rows(const FpHcRead& p) { return p.gathered ? p.c.nstreams : p.c.nstreams * p.c.window; }
@@ -197,101 +199,75 @@ extern "C" __global__ void hc_read_t1(const FpHcRead p) { pdl_start(); hc_read_e
 extern "C" __global__ void hc_read_t2(const FpHcRead p) { pdl_start(); hc_read_entry<2>(p); }
 extern "C" __global__ void hc_read_t4(const FpHcRead p) { pdl_start(); hc_read_entry<4>(p); }
 
-#define HC_UP_CHUNKS 8
-template <int T>
-DEV void hc_mix_t(const FpHcRead& p, u32 nrows) {
-    const FpCommon& c = p.c;
-    const u32 W = p.dim * p.hc;
-    const u32 lane = threadIdx.x & 31, g = lane >> 3, l8 = lane & 7;
-    const u32 gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    const u32 nwarps = (gridDim.x * blockDim.x) >> 5;
-    const float* hn = fptr(c.scratch);
-    const float* lo = hn + (u64)nrows * W;
-    const bool vec = (p.rank & 7) == 0 && (p.up & 15) == 0;
-    const bool lvec = (p.rank & 3) == 0 && (((u64)lo) & 15) == 0;
-    for (u32 d = gw; d < p.dim; d += nwarps) {
-        for (u32 i0 = blockIdx.y * T; i0 < nrows; i0 += gridDim.y * T) {
-            bool ok[T];
+// The mix on tensor cores: the gates G = lo up^T [rows, C*D] are a linear of K = rank (linear.cuh
+// `linear_tc_rows`) over `up` tiled feature-major (runtime/src/cuda/weights.rs `tile_hc_up`: gate row d*C + c), so
+// an m-tile of 16 gate rows holds all C gates of 16 / C features (C divides 16) and this epilogue finishes them:
+// a[r, d] = (sum over c in order of sigmoid(G[r, d*C + c]) * Hn[r, c*D + d]) / C.
+struct HcMixStore {
+    const float* hn;
+    u32 W, dim, hc;
+    template <int T>
+    DEV void operator()(const FpLinear& a, float (&part)[SPLIT_WARPS][16][T], u32 nb0, u32 i0, u32 G, u32 S,
+                        u32 total) const {
+        const u32 per = 16 / hc;
+        float* O = fptr(a.out);
+        for (u32 idx = threadIdx.x; idx < G * per * T; idx += blockDim.x) {
+            const u32 gg = idx / (per * T), dl = (idx / T) % per, t = idx % T;
+            const u32 d = (nb0 + gg * 16) / hc + dl, i = i0 + t;
+            if (d >= dim || i >= total || !row_ok(a.c, i, a.gathered)) continue;
+            // The row's Hn values first, all loads in flight at once; then the sum over c in order.
+            float hv[16];
 #pragma unroll
-            for (int t = 0; t < T; t++) ok[t] = i0 + t < nrows && row_ok(c, i0 + t, p.gathered);
-            float val[HC_MAX / 4][T];
+            for (int cc = 0; cc < 16; cc++) hv[cc] = (u32)cc < hc ? hn[(u64)i * W + cc * dim + d] : 0.0f;
+            float acc = 0.0f;
 #pragma unroll
-            for (int j = 0; j < HC_MAX / 4; j++)
-#pragma unroll
-                for (int t = 0; t < T; t++) val[j][t] = 0.0f;
-#pragma unroll
-            for (int j = 0; j < HC_MAX / 4; j++) {
-                // Rounds j whose groups hold no hyper-connection are skipped (the same j for the whole warp).
-                if (4u * j >= p.hc) break;
-                const u32 cc = g + 4 * j;
-                float acc[T];
-#pragma unroll
-                for (int t = 0; t < T; t++) acc[t] = 0.0f;
-                if (cc < p.hc) {
-                    const bf16_t* ur = (const bf16_t*)p.up + (u64)(cc * p.dim + d) * p.rank;
-                    if (vec) {
-                        // Lane l8 takes chunks l8*8 + 64 u: all (up to HC_UP_CHUNKS) loads issued first.
-                        for (u32 kb = l8 * 8; kb < p.rank; kb += 64 * HC_UP_CHUNKS) {
-                            uint4 wv[HC_UP_CHUNKS];
-#pragma unroll
-                            for (int u = 0; u < HC_UP_CHUNKS; u++) {
-                                const u32 kk = kb + 64 * u;
-                                wv[u] = kk < p.rank ? ldg_stream16(ur + kk) : zero4();
-                            }
-#pragma unroll
-                            for (int u = 0; u < HC_UP_CHUNKS; u++) {
-                                const u32 kk = kb + 64 * u;
-                                if (kk >= p.rank) continue;
-                                float f[8];
-                                unpack8(wv[u], f);
-#pragma unroll
-                                for (int t = 0; t < T; t++) {
-                                    if (!ok[t]) continue;
-                                    float x[8];
-                                    load_x8(lo + (u64)(i0 + t) * p.rank + kk, lvec, x);
-                                    acc[t] += dot8(f, x);
-                                }
-                            }
-                        }
-                    } else {
-                        for (u32 kk = l8; kk < p.rank; kk += 8) {
-                            const float f = bf2f(ur[kk]);
-#pragma unroll
-                            for (int t = 0; t < T; t++)
-                                if (ok[t]) acc[t] = fmaf(f, lo[(u64)(i0 + t) * p.rank + kk], acc[t]);
-                        }
-                    }
-                }
-#pragma unroll
-                for (int t = 0; t < T; t++) {
-                    const float gs = group8_sum(acc[t]);
-                    float v = 0.0f;
-                    if (cc < p.hc && ok[t]) v = sigmoidf_(gs) * hn[(u64)(i0 + t) * W + cc * p.dim + d];
-                    val[j][t] = v;
-                }
+            for (int cc = 0; cc < 16; cc++) {
+                if ((u32)cc >= hc) break;
+                float v = 0.0f;
+                for (u32 s = 0; s < S; s++) v += part[gg * S + s][dl * hc + cc][t];
+                acc += sigmoidf_(v) * hv[cc];
             }
-#pragma unroll
-            for (int t = 0; t < T; t++) {
-                float a = 0.0f;
-#pragma unroll
-                for (int j = 0; j < HC_MAX / 4; j++) {
-                    if (4u * j >= p.hc) break;
-#pragma unroll
-                    for (int gg = 0; gg < 4; gg++) {
-                        const float v = __shfl_sync(FULL_MASK, val[j][t], gg * 8);
-                        if ((u32)(gg + 4 * j) < p.hc) a += v;
-                    }
-                }
-                if (lane == 0 && ok[t]) fptr(p.out)[(u64)(i0 + t) * p.dim + d] = a / (float)p.hc;
-            }
+            O[(u64)i * dim + d] = acc / (float)hc;
         }
     }
+};
+
+// Where hc_mix_split leaves lo's BF16 terms: after Hn [rows, C*D] and lo [rows, rank] in the scratch, 16-byte
+// aligned (runtime/src/cuda/launch.rs `scratch_elems`).
+DEV uint4* hc_mix_xsplit(const FpHcRead& p, u32 nrows) {
+    const u64 at = ((u64)nrows * (p.dim * p.hc + p.rank) + 3) / 4 * 4;
+    return (uint4*)(fptr(p.c.scratch) + at);
 }
 
-template <int T>
-DEV void hc_mix_entry(const FpHcRead& p) {
-    hc_mix_t<T>(p, hc_rows(p));
+// hc_mix_split: lo's rows into their BF16 terms (linear.cuh `linear_split_rows`), from two rows on.
+extern "C" __global__ void hc_mix_split(const FpHcRead p) {
+    pdl_start();
+    const u32 nrows = hc_rows(p);
+    const u64 lo = p.c.scratch + (u64)nrows * p.dim * p.hc * 4;
+    linear_split_rows(p.c, lo, p.rank, nrows, 1, p.gathered, hc_mix_xsplit(p, nrows));
 }
-extern "C" __global__ void hc_read_mix_t1(const FpHcRead p) { pdl_start(); hc_mix_entry<1>(p); }
-extern "C" __global__ void hc_read_mix_t2(const FpHcRead p) { pdl_start(); hc_mix_entry<2>(p); }
-extern "C" __global__ void hc_read_mix_t4(const FpHcRead p) { pdl_start(); hc_mix_entry<4>(p); }
+
+// hc_mix_tc_t1 .. _t16: the gates and the mix, S = p.split slices of K (runtime/src/cuda/launch.rs
+// `hc_mix_slices`).
+template <int T>
+DEV void hc_mix_tc_entry(const FpHcRead& p) {
+    const u32 nrows = hc_rows(p), W = p.dim * p.hc;
+    FpLinear a;
+    a.c = p.c;
+    a.x = p.c.scratch + (u64)nrows * W * 4;
+    a.w = p.up;
+    a.out = p.out;
+    a.k = p.rank;
+    a.n = W;
+    a.sub = 1;
+    a.accumulate = 0;
+    a.gathered = p.gathered;
+    a.split = p.split;
+    const HcMixStore store{fptr(p.c.scratch), W, p.dim, p.hc};
+    linear_tc_rows<T, 4>(a, nrows, blockIdx.x, gridDim.x, hc_mix_xsplit(p, nrows), store);
+}
+extern "C" __global__ void __launch_bounds__(256, 3) hc_mix_tc_t1(const FpHcRead p) { pdl_start(); hc_mix_tc_entry<1>(p); }
+extern "C" __global__ void __launch_bounds__(256, 3) hc_mix_tc_t2(const FpHcRead p) { pdl_start(); hc_mix_tc_entry<2>(p); }
+extern "C" __global__ void hc_mix_tc_t4(const FpHcRead p) { pdl_start(); hc_mix_tc_entry<4>(p); }
+extern "C" __global__ void hc_mix_tc_t8(const FpHcRead p) { pdl_start(); hc_mix_tc_entry<8>(p); }
+extern "C" __global__ void hc_mix_tc_t16(const FpHcRead p) { pdl_start(); hc_mix_tc_entry<16>(p); }

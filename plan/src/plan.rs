@@ -406,11 +406,19 @@ impl PlanBody {
                     let Some(slot) = uses.get_mut(w.0 as usize) else {
                         continue;
                     };
+                    let shape = &self.weights[w.0 as usize].shape;
                     let this = match &node.op {
-                        Op::Linear { k, n, .. }
-                            if self.weights[w.0 as usize].shape == [*n as u64, *k as u64] =>
-                        {
+                        Op::Linear { k, n, .. } if *shape == [*n as u64, *k as u64] => {
                             WeightUse::Linear { n: *n, k: *k }
+                        }
+                        Op::HcRead {
+                            up, hc, dim, rank, ..
+                        } if *up == w && *shape == [(*hc * *dim) as u64, *rank as u64] => {
+                            WeightUse::HcUp {
+                                hc: *hc,
+                                dim: *dim,
+                                rank: *rank,
+                            }
                         }
                         _ => WeightUse::Other,
                     };
@@ -447,7 +455,16 @@ pub enum WeightUse {
         /// Input features (columns).
         k: u32,
     },
-    /// Some other node reads it, or a `Linear` reads it in another shape.
+    /// Only `HcRead` nodes read it, as their `up` weight `[hc * dim, rank]` (the hyper-connection read's gates).
+    HcUp {
+        /// Hyper-connections (C).
+        hc: u32,
+        /// Hidden size (D).
+        dim: u32,
+        /// Low rank (the gates' inputs).
+        rank: u32,
+    },
+    /// Some other node reads it, or a `Linear` or `HcRead` reads it in another shape or role.
     Other,
 }
 

@@ -124,7 +124,13 @@ const LINEAR: ByRows = &[
     "linear_t16",
 ];
 const HC_READ: ByRows = &["hc_read_t1", "hc_read_t2", "hc_read_t4"];
-const HC_READ_MIX: ByRows = &["hc_read_mix_t1", "hc_read_mix_t2", "hc_read_mix_t4"];
+const HC_MIX_TC: ByRows = &[
+    "hc_mix_tc_t1",
+    "hc_mix_tc_t2",
+    "hc_mix_tc_t4",
+    "hc_mix_tc_t8",
+    "hc_mix_tc_t16",
+];
 const ROUTER: ByRows = &["router_t1", "router_t2", "router_t4", "router_t8"];
 const SHARED_EXPERT: ByRows = &["shared_expert_t1", "shared_expert_t2", "shared_expert_t4"];
 const SHARED_EXPERT_DOWN: ByRows = &[
@@ -134,7 +140,7 @@ const SHARED_EXPERT_DOWN: ByRows = &[
 ];
 
 /// Most rows per block for the kernels that also spread row tiles over blocks (`blockIdx.y`: hc_read,
-/// hc_read_mix, shared_expert, shared_expert_down, and the router's logits when router_topk follows): beyond it
+/// shared_expert, shared_expert_down, and the router's logits when router_topk follows): beyond it
 /// they take tiles of this many rows (their entry points stop at t4), one grid row of blocks per tile, instead of
 /// one block walking every tile (each lane's activation loads for all the rows of a tile wait in turn; the
 /// weights, at most 13 MB, are read again per tile mostly from L2). The tile never changes a row's arithmetic.
@@ -204,7 +210,11 @@ pub(crate) fn scratch_elems(body: &PlanBody, op: &Op, rows: u64) -> u64 {
         Op::Router { experts, .. } => rows * *experts as u64,
         // SamplePart (32 bytes) per (item, part); items <= rows.
         Op::Sample { .. } => rows * SAMPLE_PARTS as u64 * 8,
-        Op::HcRead { hc, rank, dim, .. } => rows * (*rank as u64 + *hc as u64 * *dim as u64),
+        // Hn, lo, then (from two rows on, 16-byte aligned) lo's BF16 terms for hc_mix_tc (`hc_mix_xsplit`).
+        Op::HcRead { hc, rank, dim, .. } => {
+            (rows * (*rank as u64 + *hc as u64 * *dim as u64)).div_ceil(4) * 4
+                + rows * rank.div_ceil(32) as u64 * 4 * 12
+        }
         // linear_split's BF16 terms: 3 x 16 bytes per (sub-row, step of 32, quarter) from two sub-rows on.
         Op::Linear { k, sub, .. } if rows * *sub as u64 >= 2 => {
             rows * *sub as u64 * k.div_ceil(32) as u64 * 4 * 12
@@ -231,6 +241,19 @@ pub(crate) fn tc_split(k: u32, n: u32) -> u32 {
             steps.div_ceil(s) <= MOST_STEPS
                 && (n as u64).div_ceil(16 * 8 / s as u64) >= LEAST_BLOCKS
         })
+        .unwrap_or(8)
+}
+
+/// Slices of K (the rank) of `hc_mix_tc` (kernels/norm.cu), from the number of gates alone (so every row count
+/// sums in the same order): the fewest of 1, 2, 4, 8 that give the launch at least 264 blocks (2 per SM of the
+/// H200; a block is 8 / S m-tiles of 16 gates), else 8. Measured on the H200 with the real shape (10240 gates of
+/// rank 320; lone-w1 / lone-w16 replay): 4 slices 1052 / 3142 us, 2 slices 1052 / 3143, 1 slice 1057 / 3178,
+/// 8 slices 1092 / 3168.
+pub(crate) fn hc_mix_slices(gates: u32) -> u32 {
+    const LEAST_BLOCKS: u32 = 264;
+    [1, 2, 4, 8]
+        .into_iter()
+        .find(|&s| gates.div_ceil(16 * 8 / s) >= LEAST_BLOCKS)
         .unwrap_or(8)
 }
 
@@ -440,7 +463,8 @@ pub(crate) fn specs(
 const HC_NORM_MOST_DIM: u32 = 16 * 256;
 
 /// The `HcRead` node's launches: `hc_norm` (with `norm`; without it the previous `hc_write_norm` has written Hn),
-/// then hc_read (down and inject dots) and hc_read_mix, row tiles over `blockIdx.y` beyond 4 rows.
+/// then hc_read (down and inject dots, row tiles over `blockIdx.y` beyond 4 rows), then from two rows on
+/// hc_mix_split (lo's BF16 terms) and hc_mix_tc (the gates on tensor cores and the mix: kernels/norm.cu).
 fn hc_read_spec(a: &Addrs, v: &Variant, op: &Op, norm: bool) -> Result<LaunchSpec, BackendError> {
     let Op::HcRead {
         h,
@@ -459,9 +483,10 @@ fn hc_read_spec(a: &Addrs, v: &Variant, op: &Op, norm: bool) -> Result<LaunchSpe
     };
     let (streams, window) = v.kind.shape();
     let rows = streams * window;
-    if *hc > 16 {
+    if !super::weights::hc_mix_on_tensor_cores(*hc) {
         return Err(BackendError::Device(format!(
-            "hc_read: {hc} hyper-connections (at most 16) is not supported"
+            "hc_read: {hc} hyper-connections is not supported (1, 2, 4, 8 or 16: the gates' tiles of 16 rows hold \
+             whole features)"
         )));
     }
     let gathered = hc_read_gathered(v, op);
@@ -483,12 +508,12 @@ fn hc_read_spec(a: &Addrs, v: &Variant, op: &Op, norm: bool) -> Result<LaunchSpe
         rank: *rank,
         gathered: gathered as u32,
         eps: *eps,
-        pad: 0,
+        split: hc_mix_slices(*hc * *dim),
     };
     let outs = *rank + if p.inject != 0 { *hc } else { 0 };
     let nrows = if gathered { streams } else { rows };
     let (read, tiles) = by_row_tiles(HC_READ, nrows);
-    let (mix, _) = by_row_tiles(HC_READ_MIX, nrows);
+    let gates_per_block = 16 * (8 / p.split);
     let params = bytes(&p);
     let spec = if norm {
         LaunchSpec::new("hc_norm", params, (nrows * *hc, 1, 1), 256).then_grid(
@@ -499,7 +524,17 @@ fn hc_read_spec(a: &Addrs, v: &Variant, op: &Op, norm: bool) -> Result<LaunchSpe
     } else {
         LaunchSpec::new(read, params, (outs.div_ceil(2), tiles, 1), 256)
     };
-    Ok(spec.then_grid(mix, (dim.div_ceil(8), tiles, 1), 256))
+    let spec = if nrows >= 2 {
+        let items = nrows * rank.div_ceil(32) * 4;
+        spec.then("hc_mix_split", items.div_ceil(256), 256)
+    } else {
+        spec
+    };
+    Ok(spec.then(
+        by_rows(HC_MIX_TC, nrows),
+        (*hc * *dim).div_ceil(gates_per_block),
+        256,
+    ))
 }
 
 /// Whether an `HcRead` reads only each stream's last row (its `h` holds one row per stream).
@@ -1397,6 +1432,20 @@ mod tests {
                 for (i, n) in v.nodes.iter().enumerate() {
                     let Op::HcRead { h, .. } = n.op else { continue };
                     let read = sp[i].as_ref().expect("hc_read launched");
+                    // From two rows on, hc_mix_split comes before hc_mix_tc.
+                    let (streams, window) = v.kind.shape();
+                    let nrows = if hc_read_gathered(&v, &n.op) {
+                        streams
+                    } else {
+                        streams * window
+                    };
+                    let split = usize::from(nrows >= 2);
+                    let last = read.then.last().expect("the mix").0;
+                    assert!(last.starts_with("hc_mix_tc_t"), "{last}");
+                    assert_eq!(
+                        read.then.len() >= 2 && read.then[read.then.len() - 2].0 == "hc_mix_split",
+                        nrows >= 2
+                    );
                     let after_write = i > 0
                         && matches!(v.nodes[i - 1].op, Op::HcWrite { h: hw, .. } if hw == h)
                         && !hc_read_gathered(&v, &n.op);
@@ -1416,7 +1465,7 @@ mod tests {
                             v.kind.name(),
                             read.kernel
                         );
-                        assert_eq!(read.launches(), 2);
+                        assert_eq!(read.launches(), 2 + split);
                         // The fused write carries the read's norm weight and eps.
                         assert_eq!(write.params.len(), std::mem::size_of::<FpHcWrite>());
                         // SAFETY: `params` holds the bytes of one FpHcWrite (`bytes(&p)`), length checked above.
@@ -1429,7 +1478,7 @@ mod tests {
                         assert_eq!(p.eps, eps);
                     } else {
                         assert_eq!(read.kernel, "hc_norm", "{} node {i}", v.kind.name());
-                        assert_eq!(read.launches(), 3);
+                        assert_eq!(read.launches(), 3 + split);
                     }
                 }
                 // A write not followed by a read of its h (the last layer's, before the head's gathered read; a
@@ -1474,6 +1523,14 @@ mod tests {
             let s = mx_split(k, n);
             assert!([1, 2, 4, 8].contains(&s), "{k} x {n}: {s}");
         }
+    }
+
+    #[test]
+    fn hc_mix_slices_follow_the_gate_count() {
+        // The real shape: 4 x 2560 gates -> 4 slices (320 blocks); tiny models -> 8; huge -> 1.
+        assert_eq!(hc_mix_slices(10_240), 4);
+        assert_eq!(hc_mix_slices(256), 8);
+        assert_eq!(hc_mix_slices(1 << 20), 1);
     }
 
     #[test]

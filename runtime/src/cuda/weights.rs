@@ -124,6 +124,31 @@ pub(crate) fn tile_linear(w: &[u16], n: usize, k: usize) -> Vec<u16> {
     out
 }
 
+/// Whether an `HcRead` of `hc` hyper-connections computes its gates on tensor cores (`hc_mix_tc` in
+/// kernels/norm.cu, its `up` weight tiled by [`tile_hc_up`]): a tile of 16 gate rows then holds the `hc` gates of
+/// 16 / hc whole features, so `hc` divides 16.
+pub(crate) fn hc_mix_on_tensor_cores(hc: u32) -> bool {
+    hc > 0 && 16 % hc == 0
+}
+
+/// An `HcRead`'s `up` weight `[hc * dim, rank]` (row `c * dim + d`: the gate of hyper-connection c for feature d)
+/// with its rows feature-major (row `d * hc + c` holds row `c * dim + d`), in MMA tiles ([`tile_linear`]): a tile
+/// of 16 rows holds every gate of 16 / hc features.
+///
+/// # Panics
+/// If `w.len() != hc * dim * rank`.
+pub(crate) fn tile_hc_up(w: &[u16], hc: usize, dim: usize, rank: usize) -> Vec<u16> {
+    assert_eq!(w.len(), hc * dim * rank, "tile_hc_up: {} values", w.len());
+    let mut fm = vec![0u16; w.len()];
+    for c in 0..hc {
+        for d in 0..dim {
+            let (from, to) = ((c * dim + d) * rank, (d * hc + c) * rank);
+            fm[to..to + rank].copy_from_slice(&w[from..from + rank]);
+        }
+    }
+    tile_linear(&fm, hc * dim, rank)
+}
+
 /// Checks that every weight a `Linear` node reads is read only by `Linear` nodes, as the matrix `[n, k]` of its
 /// shape: the CUDA backend holds such weights in MMA tiles (or MXFP8), which no other kernel reads.
 ///
@@ -151,12 +176,23 @@ pub(crate) fn check_linear_weights(body: &PlanBody) -> Result<(), BackendError> 
 }
 
 /// A BF16 weight (row-major bit patterns) in its device layout: MMA tiles for a weight only `Linear` nodes read,
-/// else as given.
+/// feature-major MMA tiles for an `HcRead`'s `up` weight when [`hc_mix_on_tensor_cores`], else as given.
 ///
 /// # Errors
-/// [`BackendError::Device`] when a linear weight does not hold `n * k` values.
+/// [`BackendError::Device`] when a linear or `up` weight does not hold the values its shape says.
 pub(crate) fn bf16_layout(w: Vec<u16>, u: WeightUse) -> Result<DevWeight, BackendError> {
     match u {
+        WeightUse::HcUp { hc, dim, rank } if hc_mix_on_tensor_cores(hc) => {
+            let (hc, dim, rank) = (hc as usize, dim as usize, rank as usize);
+            if w.len() != hc * dim * rank {
+                return Err(BackendError::Device(format!(
+                    "a hyper-connection up weight [{}, {rank}] holds {} values",
+                    hc * dim,
+                    w.len()
+                )));
+            }
+            Ok(DevWeight::Bf16(tile_hc_up(&w, hc, dim, rank)))
+        }
         WeightUse::Linear { n, k } => {
             let (n, k) = (n as usize, k as usize);
             if w.len() != n * k {
@@ -261,11 +297,58 @@ mod tests {
     }
 
     #[test]
+    fn hc_up_tiles_hold_each_features_gates_together() {
+        // up [C * D, rank]: row c * D + d is gate c of feature d; tile row d * C + c must hold it.
+        let (hc, dim, rank) = (4usize, 6usize, 40usize);
+        let w: Vec<u16> = (0..hc * dim * rank).map(|i| 1 + i as u16).collect();
+        let t = tile_hc_up(&w, hc, dim, rank);
+        assert_eq!(t.len(), (hc * dim).div_ceil(16) * rank.div_ceil(32) * 512);
+        for c in 0..hc {
+            for d in 0..dim {
+                for j in 0..rank {
+                    assert_eq!(
+                        t[tile_index(d * hc + c, j, rank)],
+                        w[(c * dim + d) * rank + j]
+                    );
+                }
+            }
+        }
+        assert!(
+            hc_mix_on_tensor_cores(4) && hc_mix_on_tensor_cores(16) && !hc_mix_on_tensor_cores(3)
+        );
+        let u = WeightUse::HcUp {
+            hc: 4,
+            dim: 6,
+            rank: 40,
+        };
+        assert!(matches!(bf16_layout(w.clone(), u), Ok(DevWeight::Bf16(v)) if v == t));
+        assert!(bf16_layout(w[1..].to_vec(), u).is_err());
+    }
+
+    #[test]
     fn every_linear_weight_of_the_plans_is_read_only_by_linears() {
         let body = super::super::fuse::tests::tiny_plan();
         check_linear_weights(&body).expect("tiny plan");
         let uses = body.weight_uses();
         let lm = body.weight_index("lm_head.weight").expect("lm_head");
+        // Every hyper-connection read's up weight is read as such only.
+        let ups: Vec<usize> = body
+            .variants
+            .iter()
+            .flat_map(|v| &v.nodes)
+            .filter_map(|n| match n.op {
+                Op::HcRead { up, .. } => Some(up.0 as usize),
+                _ => None,
+            })
+            .collect();
+        assert!(!ups.is_empty());
+        for u in ups {
+            assert!(
+                matches!(uses[u], WeightUse::HcUp { hc: 4, .. }),
+                "{:?}",
+                uses[u]
+            );
+        }
         assert_eq!(
             uses[lm],
             WeightUse::Linear {
