@@ -4,6 +4,8 @@
 //! Layout of one weight in the weight allocation (each weight starts 256-byte aligned):
 //! - BF16 `[n, k]` read only by `Linear` nodes ([`flashplan_plan::WeightUse::Linear`]): MMA tiles ([`tile_linear`]),
 //!   so that every lane of `linear`'s warps loads its MMA A fragments with two 16-byte loads and no register moves;
+//! - BF16 `up` of a hyper-connection read ([`flashplan_plan::WeightUse::HcUp`]): feature-major MMA tiles
+//!   ([`tile_hc_up`]) for `hc_mix_tc`;
 //! - any other BF16 `[rows, cols]`: `rows * cols` 16-bit patterns, row-major;
 //! - MXFP8 `[n, k]`: the E4M3 codes `[n, k]` (one byte each, row-major), then, at the next 256-byte boundary, the
 //!   E8M0 scales `[n, ceil(k / 32)]` (one byte per 32 consecutive inputs of a row, row-major). The weight's address
@@ -18,7 +20,7 @@ pub(crate) const ALIGN: usize = 256;
 
 /// One weight as the GPU thread uploads it.
 pub(crate) enum DevWeight {
-    /// BF16 bit patterns, row-major.
+    /// BF16 bit patterns in the weight's device layout ([`bf16_layout`]: MMA tiles or row-major).
     Bf16(Vec<u16>),
     /// MXFP8 codes and scales ([`crate::mxfp8`] layout).
     Mxfp8(Mxfp8),
