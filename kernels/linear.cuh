@@ -56,6 +56,15 @@ DEV void load_x8_k(const float* row, u32 kk, u32 K, bool xvec, float* x) {
 // k 8 q + 0 .. 3) and uint4 32 + l (MMA 1's: k 8 q + 4 .. 7), each register one BF16 pair, in the order a0a1, a2a3,
 // a4a5, a6a7 of the m16n8k16 A fragment. Zero-padded to whole tiles.
 #define TC_TILE_U4 64
+// The lane's A fragments of U consecutive weight tiles from wp (its uint4 of the tile): w0 MMA 0's, w1 MMA 1's.
+template <int U>
+DEV void tc_load_tiles(uint4 (&w0)[U], uint4 (&w1)[U], const uint4* wp) {
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        w0[u] = ldg_stream16_l2pf(wp + u * TC_TILE_U4);
+        w1[u] = ldg_stream16_l2pf(wp + u * TC_TILE_U4 + 32);
+    }
+}
 // The three BF16 terms of 8 activations as MMA B fragments: xt[e] (e = 0 hi, 1 mid, 2 lo) holds the pairs
 // (0, 1), (2, 3) (MMA 0's b0, b1) and (4, 5), (6, 7) (MMA 1's).
 DEV void tc_split_x(const float (&x)[8], uint4 (&xt)[3]) {
@@ -195,11 +204,7 @@ DEV void linear_tc_rows(const FpLinear& a, u32 total, u32 block, u32 nblocks, co
                 u32 st = s0;
                 for (; st + U <= s1; st += U) {
                     uint4 w0[U], w1[U];
-#pragma unroll
-                    for (int u = 0; u < U; u++) {
-                        w0[u] = ldg_stream16_l2pf(wp + u * TC_TILE_U4);
-                        w1[u] = ldg_stream16_l2pf(wp + u * TC_TILE_U4 + 32);
-                    }
+                    tc_load_tiles<U>(w0, w1, wp);
 #pragma unroll
                     for (int u = 0; u < U; u++) {
                         const uint4 xt[3] = {xp[u * 12], xp[u * 12 + 1], xp[u * 12 + 2]};
@@ -228,11 +233,7 @@ DEV void linear_tc_rows(const FpLinear& a, u32 total, u32 block, u32 nblocks, co
                 u32 st = s0;
                 for (; st + U <= s1; st += U) {
                     uint4 w0[U], w1[U];
-#pragma unroll
-                    for (int u = 0; u < U; u++) {
-                        w0[u] = ldg_stream16_l2pf(wp + u * TC_TILE_U4);
-                        w1[u] = ldg_stream16_l2pf(wp + u * TC_TILE_U4 + 32);
-                    }
+                    tc_load_tiles<U>(w0, w1, wp);
 #pragma unroll
                     for (int u = 0; u < U; u++)
 #pragma unroll
