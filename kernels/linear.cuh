@@ -1,5 +1,6 @@
-// The body of the BF16 linear kernels (linear.cu's linear and linear_multi): out[i, n] (+)= sum_k x[i, k] * w[n, k]
-// over the sub-rows i of every real row, on tensor cores (`linear_tc_rows` below).
+// The body of the BF16 linear kernels (linear.cu's linear and linear_multi; norm.cu's hc_mix_tc with its own
+// epilogue): out[i, n] (+)= sum_k x[i, k] * w[n, k] over the sub-rows i of every real row, on tensor cores
+// (`linear_tc_rows` below).
 #pragma once
 #include "common.cuh"
 

@@ -1,8 +1,7 @@
-// Normalisations: rms_norm, gated_norm and the fused hyper-connection read hc_read. One block per row.
+// Normalisations: rms_norm (block per row), gated_norm, and the hyper-connection read (hc_norm, hc_read, hc_mix_tc:
+// launch shapes below) with hc_write_norm.
 #include "common.cuh"
 #include "linear.cuh"
-
-#define HC_MAX 16
 
 // Zero-centred RMSNorm in groups of `group`: y = x * (1 / sqrt(mean(x^2) + eps)) * (1 + w). out may alias x.
 extern "C" __global__ void rms_norm(const FpRmsNorm p) {

@@ -402,7 +402,10 @@ impl PlanBody {
         let mut uses = vec![WeightUse::Unread; self.weights.len()];
         for v in &self.variants {
             for node in &v.nodes {
-                for w in node.op.weights() {
+                let ws = node.op.weights();
+                for &w in &ws {
+                    // A weight in two roles of one node (say `up` and `down`) is not read as one matrix.
+                    let once = ws.iter().filter(|&&x| x == w).count() == 1;
                     let Some(slot) = uses.get_mut(w.0 as usize) else {
                         continue;
                     };
@@ -413,7 +416,10 @@ impl PlanBody {
                         }
                         Op::HcRead {
                             up, hc, dim, rank, ..
-                        } if *up == w && *shape == [(*hc * *dim) as u64, *rank as u64] => {
+                        } if *up == w
+                            && once
+                            && *shape == [*hc as u64 * *dim as u64, *rank as u64] =>
+                        {
                             WeightUse::HcUp {
                                 hc: *hc,
                                 dim: *dim,

@@ -212,8 +212,12 @@ pub(crate) fn scratch_elems(body: &PlanBody, op: &Op, rows: u64) -> u64 {
         Op::Sample { .. } => rows * SAMPLE_PARTS as u64 * 8,
         // Hn, lo, then (from two rows on, 16-byte aligned) lo's BF16 terms for hc_mix_tc (`hc_mix_xsplit`).
         Op::HcRead { hc, rank, dim, .. } => {
-            (rows * (*rank as u64 + *hc as u64 * *dim as u64)).div_ceil(4) * 4
-                + rows * rank.div_ceil(32) as u64 * 4 * 12
+            let hn_lo = rows * (*rank as u64 + *hc as u64 * *dim as u64);
+            if rows >= 2 {
+                hn_lo.div_ceil(4) * 4 + rows * rank.div_ceil(32) as u64 * 4 * 12
+            } else {
+                hn_lo
+            }
         }
         // linear_split's BF16 terms: 3 x 16 bytes per (sub-row, step of 32, quarter) from two sub-rows on.
         Op::Linear { k, sub, .. } if rows * *sub as u64 >= 2 => {
@@ -489,6 +493,9 @@ fn hc_read_spec(a: &Addrs, v: &Variant, op: &Op, norm: bool) -> Result<LaunchSpe
              whole features)"
         )));
     }
+    let gates = hc
+        .checked_mul(*dim)
+        .ok_or_else(|| BackendError::Device(format!("hc_read: {hc} x {dim} gates overflow u32")))?;
     let gathered = hc_read_gathered(v, op);
     let (inject, inj) = match inject {
         Some((w, b)) => (a.w(*w)?, a.buf(v, *b)),
@@ -508,7 +515,7 @@ fn hc_read_spec(a: &Addrs, v: &Variant, op: &Op, norm: bool) -> Result<LaunchSpe
         rank: *rank,
         gathered: gathered as u32,
         eps: *eps,
-        split: hc_mix_slices(*hc * *dim),
+        split: hc_mix_slices(gates),
     };
     let outs = *rank + if p.inject != 0 { *hc } else { 0 };
     let nrows = if gathered { streams } else { rows };
@@ -532,7 +539,7 @@ fn hc_read_spec(a: &Addrs, v: &Variant, op: &Op, norm: bool) -> Result<LaunchSpe
     };
     Ok(spec.then(
         by_rows(HC_MIX_TC, nrows),
-        (*hc * *dim).div_ceil(gates_per_block),
+        gates.div_ceil(gates_per_block),
         256,
     ))
 }

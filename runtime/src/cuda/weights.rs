@@ -152,15 +152,37 @@ pub(crate) fn tile_hc_up(w: &[u16], hc: usize, dim: usize, rank: usize) -> Vec<u
 }
 
 /// Checks that every weight a `Linear` node reads is read only by `Linear` nodes, as the matrix `[n, k]` of its
-/// shape: the CUDA backend holds such weights in MMA tiles (or MXFP8), which no other kernel reads.
+/// shape, and every `HcRead`'s `up` weight only as such, with 1, 2, 4, 8 or 16 hyper-connections: the CUDA backend
+/// holds these weights in MMA tiles (or MXFP8), which no other kernel reads.
 ///
 /// # Errors
 /// [`BackendError::Device`] naming the first weight that a `Linear` node and another node (or a `Linear` of
-/// another shape) both read. The compiler never plans one (`tie_word_embeddings` is refused by the config).
+/// another shape) both read, or the first `up` weight read otherwise or with another number of hyper-connections.
+/// The compiler never plans the former (`tie_word_embeddings` is refused by the config).
 pub(crate) fn check_linear_weights(body: &PlanBody) -> Result<(), BackendError> {
     let uses = body.weight_uses();
     for v in &body.variants {
         for node in &v.nodes {
+            if let Op::HcRead {
+                up, hc, dim, rank, ..
+            } = &node.op
+            {
+                let i = up.0 as usize;
+                let want = WeightUse::HcUp {
+                    hc: *hc,
+                    dim: *dim,
+                    rank: *rank,
+                };
+                if !hc_mix_on_tensor_cores(*hc) || uses.get(i) != Some(&want) {
+                    let name = body.weights.get(i).map_or("?", |e| e.name.as_str());
+                    return Err(BackendError::Device(format!(
+                        "hyper-connection up weight {name} ({}: {hc} x {dim} gates of rank {rank}): the CUDA \
+                         backend needs 1, 2, 4, 8 or 16 hyper-connections and the weight read only as this \
+                         node's `up` [{hc} * {dim}, {rank}] (it holds it in feature-major MMA tiles)",
+                        v.kind.name()
+                    )));
+                }
+            }
             if let Op::Linear { w, n, k, .. } = &node.op {
                 let i = w.0 as usize;
                 if !matches!(uses.get(i), Some(WeightUse::Linear { .. })) {
@@ -372,6 +394,24 @@ mod tests {
         }
         let err = check_linear_weights(&shared).expect_err("shared with the embedding");
         assert!(err.to_string().contains("embed_tokens.weight"), "{err}");
+        // An up weight read in another role (here: as its node's down weight too) is refused by name.
+        let mut reused = body.clone();
+        let mut name = String::new();
+        'outer: for v in &mut reused.variants {
+            for node in &mut v.nodes {
+                if let Op::HcRead { up, down, .. } = &mut node.op {
+                    *down = *up;
+                    name = reused_name(&body, up.0 as usize);
+                    break 'outer;
+                }
+            }
+        }
+        let err = check_linear_weights(&reused).expect_err("up read as down");
+        assert!(err.to_string().contains(&name), "{err}");
+    }
+
+    fn reused_name(body: &PlanBody, i: usize) -> String {
+        body.weights[i].name.clone()
     }
 
     #[test]
