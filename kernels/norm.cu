@@ -265,8 +265,14 @@ DEV void hc_mix_tc_entry(const FpHcRead& p) {
     const HcMixStore store{fptr(p.c.scratch), W, p.dim, p.hc};
     linear_tc_rows<T, 4>(a, nrows, blockIdx.x, gridDim.x, hc_mix_xsplit(p, nrows), store);
 }
-extern "C" __global__ void __launch_bounds__(256, 3) hc_mix_tc_t1(const FpHcRead p) { pdl_start(); hc_mix_tc_entry<1>(p); }
-extern "C" __global__ void __launch_bounds__(256, 3) hc_mix_tc_t2(const FpHcRead p) { pdl_start(); hc_mix_tc_entry<2>(p); }
+extern "C" __global__ void __launch_bounds__(256, 3) hc_mix_tc_t1(const FpHcRead p) {
+    pdl_start();
+    hc_mix_tc_entry<1>(p);
+}
+extern "C" __global__ void __launch_bounds__(256, 3) hc_mix_tc_t2(const FpHcRead p) {
+    pdl_start();
+    hc_mix_tc_entry<2>(p);
+}
 extern "C" __global__ void hc_mix_tc_t4(const FpHcRead p) { pdl_start(); hc_mix_tc_entry<4>(p); }
 extern "C" __global__ void hc_mix_tc_t8(const FpHcRead p) { pdl_start(); hc_mix_tc_entry<8>(p); }
 extern "C" __global__ void hc_mix_tc_t16(const FpHcRead p) { pdl_start(); hc_mix_tc_entry<16>(p); }

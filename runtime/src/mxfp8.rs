@@ -291,7 +291,8 @@ pub fn pack_exact(values: &[f32], rows: usize, cols: usize) -> Result<Mxfp8, Pac
 
 /// Which weights a device backend keeps as MXFP8 codes and scales: the 2-D [`StorageForm::Mxfp8`] entries
 /// (`#mxfp8` re-coded drafter linears, the `lm_head.weight#mxfp8` drafting copy, stored MXFP8 linears) that only
-/// [`flashplan_plan::Op::Linear`] nodes read, each with a shape `[n, k]` matching every such node. One flag per manifest entry.
+/// [`flashplan_plan::Op::Linear`] nodes read, each with a shape `[n, k]` matching every such node
+/// ([`flashplan_plan::WeightUse::Linear`]). One flag per manifest entry.
 /// Mxfp8 weights read by other ops (experts, shared expert, hc_read, router) are not flagged: their kernels take
 /// BF16.
 pub fn device_mxfp8_weights(body: &PlanBody) -> Vec<bool> {

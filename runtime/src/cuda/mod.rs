@@ -203,7 +203,8 @@ impl CudaBackend {
     }
 
     /// As [`CudaBackend::new`] with the weights given directly as BF16 bit patterns, row-major (`None` entries are
-    /// not loaded; linear weights and hyper-connection `up` weights are tiled here: `weights::bf16_layout`): for synthetic full-width models (the benchmark), where f32 host copies would not fit.
+    /// not loaded; linear weights and hyper-connection `up` weights are tiled here: `weights::bf16_layout`): for
+    /// synthetic full-width models (the benchmark), where f32 host copies would not fit.
     ///
     /// # Errors
     /// As [`CudaBackend::new`].
