@@ -296,9 +296,14 @@ pub fn pack_exact(values: &[f32], rows: usize, cols: usize) -> Result<Mxfp8, Pac
 /// Mxfp8 weights read by other ops (experts, shared expert, hc_read, router) are not flagged: their kernels take
 /// BF16.
 pub fn device_mxfp8_weights(body: &PlanBody) -> Vec<bool> {
+    mxfp8_flags(body, &body.weight_uses())
+}
+
+/// [`device_mxfp8_weights`] from the plan's weight uses ([`PlanBody::weight_uses`]), computed once by the caller.
+pub(crate) fn mxfp8_flags(body: &PlanBody, uses: &[WeightUse]) -> Vec<bool> {
     body.weights
         .iter()
-        .zip(body.weight_uses())
+        .zip(uses)
         .map(|(e, u)| e.form == StorageForm::Mxfp8 && matches!(u, WeightUse::Linear { .. }))
         .collect()
 }

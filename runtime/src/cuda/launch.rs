@@ -214,19 +214,35 @@ pub(crate) fn scratch_elems(body: &PlanBody, op: &Op, rows: u64) -> u64 {
         Op::HcRead { hc, rank, dim, .. } => {
             let hn_lo = rows * (*rank as u64 + *hc as u64 * *dim as u64);
             if rows >= 2 {
-                hn_lo.div_ceil(4) * 4 + rows * rank.div_ceil(32) as u64 * 4 * 12
+                hn_lo.div_ceil(4) * 4 + split_items(rows, *rank) * SPLIT_ITEM_ELEMS
             } else {
                 hn_lo
             }
         }
         // linear_split's BF16 terms: 3 x 16 bytes per (sub-row, step of 32, quarter) from two sub-rows on.
         Op::Linear { k, sub, .. } if rows * *sub as u64 >= 2 => {
-            rows * *sub as u64 * k.div_ceil(32) as u64 * 4 * 12
+            split_items(rows * *sub as u64, *k) * SPLIT_ITEM_ELEMS
         }
         // The gate of each (row, hyper-connection group), from ple_mix to ple_mix_conv.
         Op::PleMix { hc, .. } => rows * *hc as u64,
         _ => 0,
     }
+}
+
+/// Work items of `linear_split_rows` (kernels/linear.cuh) over `rows` rows of `k` inputs: one per (row, step of 32,
+/// quarter of a step), each leaving 3 x 16 bytes ([`SPLIT_ITEM_ELEMS`] scratch elements).
+fn split_items(rows: u64, k: u32) -> u64 {
+    rows * k.div_ceil(32) as u64 * 4
+}
+/// Scratch elements (4 bytes) one [`split_items`] item writes: three BF16x2 uint4 fragments.
+const SPLIT_ITEM_ELEMS: u64 = 12;
+/// Blocks of 256 threads for `linear_split_rows` over `rows` rows of `k` inputs (a thread per item).
+fn split_grid(rows: u32, k: u32) -> u32 {
+    (split_items(rows as u64, k).div_ceil(256) as u32).max(1)
+}
+/// Output features per block of `linear_tc_rows` with `split` slices of K: 8 / split m-tiles of 16.
+fn tc_features_per_block(split: u32) -> u32 {
+    16 * (8 / split)
 }
 
 /// Slices of K for the tensor-core linear (`linear_tc_rows` in `kernels/linear.cuh`), from the weight's shape
@@ -352,7 +368,7 @@ fn linear_params(a: &Addrs, v: &Variant, op: &Op) -> Result<(FpLinear, u32, u32)
         split: tc_split(*k, *n),
     };
     let total = if gathered { streams } else { streams * window } * *sub;
-    let per_block = 16 * (8 / p.split);
+    let per_block = tc_features_per_block(p.split);
     Ok((p, total, per_block))
 }
 
@@ -422,8 +438,7 @@ fn with_split(
     if total < 2 {
         return LaunchSpec::new(kernel, params, (grid.max(1), 1, 1), 256);
     }
-    let items = total * k.div_ceil(32) * 4;
-    LaunchSpec::new(split, params, (items.div_ceil(256).max(1), 1, 1), 256).then(kernel, grid, 256)
+    LaunchSpec::new(split, params, (split_grid(total, k), 1, 1), 256).then(kernel, grid, 256)
 }
 
 /// Launch specs of a variant, one entry per node in node order. With `fuse_linears`, each run of sibling linears
@@ -520,7 +535,6 @@ fn hc_read_spec(a: &Addrs, v: &Variant, op: &Op, norm: bool) -> Result<LaunchSpe
     let outs = *rank + if p.inject != 0 { *hc } else { 0 };
     let nrows = if gathered { streams } else { rows };
     let (read, tiles) = by_row_tiles(HC_READ, nrows);
-    let gates_per_block = 16 * (8 / p.split);
     let params = bytes(&p);
     let spec = if norm {
         LaunchSpec::new("hc_norm", params, (nrows * *hc, 1, 1), 256).then_grid(
@@ -532,14 +546,13 @@ fn hc_read_spec(a: &Addrs, v: &Variant, op: &Op, norm: bool) -> Result<LaunchSpe
         LaunchSpec::new(read, params, (outs.div_ceil(2), tiles, 1), 256)
     };
     let spec = if nrows >= 2 {
-        let items = nrows * rank.div_ceil(32) * 4;
-        spec.then("hc_mix_split", items.div_ceil(256), 256)
+        spec.then("hc_mix_split", split_grid(nrows, *rank), 256)
     } else {
         spec
     };
     Ok(spec.then(
         by_rows(HC_MIX_TC, nrows),
-        gates.div_ceil(gates_per_block),
+        gates.div_ceil(tc_features_per_block(p.split)),
         256,
     ))
 }

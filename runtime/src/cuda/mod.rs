@@ -196,9 +196,10 @@ impl CudaBackend {
         weights: &[Option<Vec<f32>>],
     ) -> Result<CudaBackend, BackendError> {
         let want = check_plan(&body)?;
-        weights::check_linear_weights(&body)?;
+        let uses = body.weight_uses();
+        weights::check_linear_weights(&body, &uses)?;
         // Device forms (BF16, or MXFP8 codes and scales: weights.rs) converted here (the GPU thread only copies).
-        let dev = weights::device_forms(&body, weights)?;
+        let dev = weights::device_forms(&body, &uses, weights)?;
         Self::start(body, dev, want)
     }
 
@@ -213,8 +214,8 @@ impl CudaBackend {
         weights: Vec<Option<Vec<u16>>>,
     ) -> Result<CudaBackend, BackendError> {
         let want = check_plan(&body)?;
-        weights::check_linear_weights(&body)?;
         let uses = body.weight_uses();
+        weights::check_linear_weights(&body, &uses)?;
         let dev = weights
             .into_iter()
             .zip(uses)

@@ -12,7 +12,7 @@
 //!   is the codes'; the scales' address is kept beside it ([`Placed::scales`]).
 
 use crate::backend::BackendError;
-use crate::mxfp8::{device_mxfp8_weights, pack_exact, Mxfp8};
+use crate::mxfp8::{mxfp8_flags, pack_exact, Mxfp8};
 use flashplan_plan::{Op, PlanBody, WeightUse};
 
 /// Alignment of every piece in the weight allocation, bytes.
@@ -151,16 +151,19 @@ pub(crate) fn tile_hc_up(w: &[u16], hc: usize, dim: usize, rank: usize) -> Vec<u
     tile_linear(&fm, hc * dim, rank)
 }
 
-/// Checks that every weight a `Linear` node reads is read only by `Linear` nodes, as the matrix `[n, k]` of its
-/// shape, and every `HcRead`'s `up` weight only as such, with 1, 2, 4, 8 or 16 hyper-connections: the CUDA backend
-/// holds these weights in MMA tiles (or MXFP8), which no other kernel reads.
+/// Checks (with `uses` = [`PlanBody::weight_uses`]) that every weight a `Linear` node reads is read only by
+/// `Linear` nodes, as the matrix `[n, k]` of its shape, and every `HcRead`'s `up` weight only as such, with 1, 2,
+/// 4, 8 or 16 hyper-connections: the CUDA backend holds these weights in MMA tiles (or MXFP8), which no other
+/// kernel reads.
 ///
 /// # Errors
 /// [`BackendError::Device`] naming the first weight that a `Linear` node and another node (or a `Linear` of
 /// another shape) both read, or the first `up` weight read otherwise or with another number of hyper-connections.
 /// The compiler never plans the former (`tie_word_embeddings` is refused by the config).
-pub(crate) fn check_linear_weights(body: &PlanBody) -> Result<(), BackendError> {
-    let uses = body.weight_uses();
+pub(crate) fn check_linear_weights(
+    body: &PlanBody,
+    uses: &[WeightUse],
+) -> Result<(), BackendError> {
     for v in &body.variants {
         for node in &v.nodes {
             if let Op::HcRead {
@@ -232,9 +235,10 @@ pub(crate) fn bf16_layout(w: Vec<u16>, u: WeightUse) -> Result<DevWeight, Backen
     }
 }
 
-/// The device forms of the host weights (f32, indexed like `body.weights`; `None` is not loaded): MXFP8 codes and
-/// scales for [`device_mxfp8_weights`], packed losslessly ([`pack_exact`]), BF16 (round to nearest) for the rest
-/// ([`bf16_layout`]: MMA tiles for linear weights).
+/// The device forms of the host weights (f32, indexed like `body.weights`; `None` is not loaded; `uses` =
+/// [`PlanBody::weight_uses`]): MXFP8 codes and scales for [`crate::mxfp8::device_mxfp8_weights`], packed
+/// losslessly ([`pack_exact`]), BF16 (round to nearest) for the rest ([`bf16_layout`]: MMA tiles for linear
+/// weights).
 /// An MXFP8 weight whose values cannot be packed without changing them (not expected: re-coded and stored MXFP8
 /// values always can, unless a stored group overflows f32) is uploaded as BF16, with a warning, and runs `linear`.
 ///
@@ -242,10 +246,10 @@ pub(crate) fn bf16_layout(w: Vec<u16>, u: WeightUse) -> Result<DevWeight, Backen
 /// As [`bf16_layout`].
 pub(crate) fn device_forms(
     body: &PlanBody,
+    uses: &[WeightUse],
     weights: &[Option<Vec<f32>>],
 ) -> Result<Vec<Option<DevWeight>>, BackendError> {
-    let mx = device_mxfp8_weights(body);
-    let uses = body.weight_uses();
+    let mx = mxfp8_flags(body, uses);
     let mut out = Vec::with_capacity(weights.len());
     for (i, w) in weights.iter().enumerate() {
         let Some(w) = w else {
@@ -352,8 +356,8 @@ mod tests {
     #[test]
     fn every_linear_weight_of_the_plans_is_read_only_by_linears() {
         let body = super::super::fuse::tests::tiny_plan();
-        check_linear_weights(&body).expect("tiny plan");
         let uses = body.weight_uses();
+        check_linear_weights(&body, &uses).expect("tiny plan");
         let lm = body.weight_index("lm_head.weight").expect("lm_head");
         // Every hyper-connection read's up weight is read as such only.
         let ups: Vec<usize> = body
@@ -392,7 +396,8 @@ mod tests {
                 }
             }
         }
-        let err = check_linear_weights(&shared).expect_err("shared with the embedding");
+        let err = check_linear_weights(&shared, &shared.weight_uses())
+            .expect_err("shared with the embedding");
         assert!(err.to_string().contains("embed_tokens.weight"), "{err}");
         // An up weight read in another role (here: as its node's down weight too) is refused by name.
         let mut reused = body.clone();
@@ -406,7 +411,8 @@ mod tests {
                 }
             }
         }
-        let err = check_linear_weights(&reused).expect_err("up read as down");
+        let err =
+            check_linear_weights(&reused, &reused.weight_uses()).expect_err("up read as down");
         assert!(err.to_string().contains(&name), "{err}");
     }
 
