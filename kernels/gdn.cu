@@ -67,19 +67,45 @@ DEV void gdn_update_q(float* S, const float* k, float v, float g, float beta, u3
         if (i < n) S[i] += k[i] * delta;
 }
 
+// Rows per chunk of gdn_recur: the chunk's normalised q and k, v, g and beta are staged in shared memory first (every
+// load of the chunk in flight at once), then the recurrence runs over them with no barrier and no global load.
+#define GDN_CHUNK 16
+// Staged rows per warp (the block's 4 warps share a chunk).
+#define GDN_RPW (GDN_CHUNK / 4)
+// Shared-memory index of element i of a staged q or k row: four floats of skew per 32, so a quarter's 32 values
+// start 16-byte aligned (read as 8 float4) and the four quarters of a column read different banks.
+DEV u32 gdn_sk(u32 i) { return i + 4 * (i >> 5); }
+// The quarter of a staged row at `src` (gdn_sk(i0) of its row) into registers.
+DEV void gdn_quarter(const float* src, float (&dst)[GDN_QD]) {
+#pragma unroll
+    for (u32 i = 0; i < GDN_QD / 4; i++) {
+        const float4 v = ((const float4*)src)[i];
+        dst[4 * i] = v.x;
+        dst[4 * i + 1] = v.y;
+        dst[4 * i + 2] = v.z;
+        dst[4 * i + 3] = v.w;
+    }
+}
+
 // Per row: l2-normalised q (scaled by 1/sqrt(dk)) and k of key head h / (hv/hk), beta = sigmoid(b),
-// g = -exp(A_log) softplus(a + dt_bias), update, o = S^T q. Stash: k, v, g, beta.
+// g = -exp(A_log) softplus(a + dt_bias), update, o = S^T q. Stash: k, v, g, beta. In chunks of GDN_CHUNK rows:
+// first warp w stages rows w, w + 4, ... of the chunk, all their loads issued before any sum (each norm is the sum
+// of 4 warp trees over elements 32 m + lane, added in m order from 0: block_sum's bits over the 128 threads of the
+// block, thread i holding element i), then every thread runs the chunk's rows from shared memory.
 extern "C" __global__ void gdn_recur(const FpGdnRecur p) {
     pdl_start();
-    __shared__ float sh[32];
-    __shared__ float qs[GDN_MAX_DK];
-    __shared__ float ks[GDN_MAX_DK];
+    __shared__ __align__(16) float qs[GDN_CHUNK][GDN_MAX_DK + GDN_MAX_DK / 8];
+    __shared__ __align__(16) float ks[GDN_CHUNK][GDN_MAX_DK + GDN_MAX_DK / 8];
+    __shared__ float vs[GDN_CHUNK][32];
+    __shared__ float gs[GDN_CHUNK];
+    __shared__ float bs[GDN_CHUNK];
     const FpCommon& c = p.c;
     const u32 h = blockIdx.x, s = blockIdx.y;
     if (h >= p.hv || s >= c.nstreams) return;
     const FpStream& st = stream_of(c, s);
-    const u32 q = threadIdx.x & 3;
-    const u32 e = blockIdx.z * (blockDim.x / 4) + threadIdx.x / 4;
+    const u32 q = threadIdx.x & 3, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 e0 = blockIdx.z * (blockDim.x / 4);
+    const u32 e = e0 + threadIdx.x / 4;
     const bool own = e < p.dv;
     const bool lead = blockIdx.z == 0;
     const u32 kh = h / (p.hv / p.hk);
@@ -94,43 +120,76 @@ extern "C" __global__ void gdn_recur(const FpGdnRecur p) {
     const float scale = 1.0f / sqrtf((float)p.dk);
     const float alog = -expf(bfw(p.a_log, h));
     const float dtb = bfw(p.dt_bias, h);
-    for (u32 j = 0; j < st.rows; j++) {
-        const u64 r = (u64)s * c.window + j;
-        const float* row = fptr(p.qkv) + r * ch;
-        float qq = 0.0f, kk = 0.0f;
-        for (u32 i = threadIdx.x; i < p.dk; i += blockDim.x) {
-            const float qv = row[kh * p.dk + i], kv = row[p.hk * p.dk + kh * p.dk + i];
-            qq += qv * qv;
-            kk += kv * kv;
-        }
-        const float iq = 1.0f / sqrtf(block_sum(qq, sh) + 1e-6f);
-        const float ik = 1.0f / sqrtf(block_sum(kk, sh) + 1e-6f);
-        for (u32 i = threadIdx.x; i < p.dk; i += blockDim.x) {
-            qs[i] = row[kh * p.dk + i] * iq * scale;
-            ks[i] = row[p.hk * p.dk + kh * p.dk + i] * ik;
-        }
-        __syncthreads();
-        const float beta = sigmoidf_(fptr(p.b)[r * p.hv + h]);
-        const float g = alog * softplusf_(fptr(p.a)[r * p.hv + h] + dtb);
-        float* srow = fptr(p.stash) + r * sw;
-        const float v = own ? row[2 * p.hk * p.dk + h * p.dv + e] : 0.0f;
-        gdn_update_q(S, ks + i0, v, g, beta, own ? n : 0);
-        float o = 0.0f;
+    const u32 el = e0 + lane;
+    for (u32 j0 = 0; j0 < st.rows; j0 += GDN_CHUNK) {
+        const u32 nr = st.rows - j0 < GDN_CHUNK ? st.rows - j0 : GDN_CHUNK;
+        float qv[GDN_RPW][GDN_MAX_DK / 32], kv[GDN_RPW][GDN_MAX_DK / 32], vv[GDN_RPW], bv[GDN_RPW], av[GDN_RPW];
 #pragma unroll
-        for (u32 i = 0; i < GDN_QD; i++)
-            if (own && i < n) o += S[i] * qs[i0 + i];
-        o = quarter_sum(o);
-        if (own && q == 0) {
-            fptr(p.out)[r * p.hv * p.dv + h * p.dv + e] = o;
-            srow[p.hk * p.dk + h * p.dv + e] = v;
+        for (u32 t = 0; t < GDN_RPW; t++) {
+            const u32 jj = warp + 4 * t;
+            const u64 r = (u64)s * c.window + j0 + (jj < nr ? jj : 0);
+            const float* row = fptr(p.qkv) + r * ch;
+#pragma unroll
+            for (u32 m = 0; m < GDN_MAX_DK / 32; m++) {
+                const u32 i = 32 * m + lane;
+                qv[t][m] = jj < nr && i < p.dk ? row[kh * p.dk + i] : 0.0f;
+                kv[t][m] = jj < nr && i < p.dk ? row[p.hk * p.dk + kh * p.dk + i] : 0.0f;
+            }
+            vv[t] = jj < nr && el < p.dv ? row[2 * p.hk * p.dk + h * p.dv + el] : 0.0f;
+            bv[t] = jj < nr ? fptr(p.b)[r * p.hv + h] : 0.0f;
+            av[t] = jj < nr ? fptr(p.a)[r * p.hv + h] : 0.0f;
         }
-        if (lead && h % (p.hv / p.hk) == 0)
-            for (u32 i = threadIdx.x; i < p.dk; i += blockDim.x) srow[kh * p.dk + i] = ks[i];
-        if (lead && threadIdx.x == 0) {
-            srow[p.hk * p.dk + p.hv * p.dv + h] = g;
-            srow[p.hk * p.dk + p.hv * p.dv + p.hv + h] = beta;
+#pragma unroll
+        for (u32 t = 0; t < GDN_RPW; t++) {
+            const u32 jj = warp + 4 * t;
+            if (jj >= nr) break;
+            const u64 r = (u64)s * c.window + j0 + jj;
+            float* srow = fptr(p.stash) + r * sw;
+            float tq = 0.0f, tk = 0.0f;
+#pragma unroll
+            for (u32 m = 0; m < GDN_MAX_DK / 32; m++) {
+                tq += warp_sum(qv[t][m] * qv[t][m]);
+                tk += warp_sum(kv[t][m] * kv[t][m]);
+            }
+            const float iq = 1.0f / sqrtf(tq + 1e-6f);
+            const float ik = 1.0f / sqrtf(tk + 1e-6f);
+#pragma unroll
+            for (u32 m = 0; m < GDN_MAX_DK / 32; m++) {
+                const u32 i = 32 * m + lane;
+                if (i >= p.dk) continue;
+                qs[jj][gdn_sk(i)] = qv[t][m] * iq * scale;
+                ks[jj][gdn_sk(i)] = kv[t][m] * ik;
+                if (lead && h % (p.hv / p.hk) == 0) srow[kh * p.dk + i] = kv[t][m] * ik;
+            }
+            vs[jj][lane] = vv[t];
+            if (el < p.dv) srow[p.hk * p.dk + h * p.dv + el] = vv[t];
+            const float beta = sigmoidf_(bv[t]);
+            const float g = alog * softplusf_(av[t] + dtb);
+            if (lane == 0) {
+                gs[jj] = g;
+                bs[jj] = beta;
+                if (lead) {
+                    srow[p.hk * p.dk + p.hv * p.dv + h] = g;
+                    srow[p.hk * p.dk + p.hv * p.dv + p.hv + h] = beta;
+                }
+            }
         }
         __syncthreads();
+        for (u32 jj = 0; jj < nr; jj++) {
+            const u64 r = (u64)s * c.window + j0 + jj;
+            const float v = own ? vs[jj][threadIdx.x / 4] : 0.0f;
+            float kr[GDN_QD], qr[GDN_QD];
+            gdn_quarter(&ks[jj][gdn_sk(i0)], kr);
+            gdn_quarter(&qs[jj][gdn_sk(i0)], qr);
+            gdn_update_q(S, kr, v, gs[jj], bs[jj], own ? n : 0);
+            float o = 0.0f;
+#pragma unroll
+            for (u32 i = 0; i < GDN_QD; i++)
+                if (own && i < n) o += S[i] * qr[i];
+            o = quarter_sum(o);
+            if (own && q == 0) fptr(p.out)[r * p.hv * p.dv + h * p.dv + e] = o;
+        }
+        __syncthreads();  // the next chunk overwrites the staged rows
     }
     // Window of one row: the row is always kept, so the updated state is the committed one (gdn_commit's replay of
     // the same update from the same state gives the same bits); written here and gdn_commit is not launched.

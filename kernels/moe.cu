@@ -62,8 +62,8 @@ DEV bool topk_before(u32 key, u32 id, u32 bk, u32 bi) { return key > bk || (key 
 
 // The top-k of row r by one warp, bit for bit the values of router_topk (block of ROUTER_TOPK_THREADS threads,
 // thread e = expert e): lane l holds experts e = 32 j + l (j < NE, NE * 32 >= experts), so register j of the warp is
-// router_topk's warp j. max: warp_max of each j, then fmaxf over j = 0 .. 31 in order from j = 0 (router_topk's
-// block_max; the warps past the experts give -inf). z: warp_sum of each j (router_topk's warp trees), summed in j
+// router_topk's warp j. max: the largest logit, the value router_topk's block_max finds (a maximum does not depend
+// on the order it is taken in). z: warp_sum of each j (router_topk's warp trees), summed in j
 // order from 0.0f (block_sum; its warps past NE add exact zeros, omitted). p = expf(v - m) / z as there. Selection:
 // topk rounds of the lane-local best (key = bits of p, as router_topk's radix keys: p >= +0 orders as u32) then a
 // 5-step xor-shuffle argmax of (key, id), key descending, id ascending: the repeated argmax that router_topk's
@@ -78,9 +78,11 @@ DEV void router_topk_warp(const FpRouter& p, u32 r, u32 lane) {
         const u32 e = 32u * j + lane;
         v[j] = e < E ? ld_cg(L + e) : -INFINITY;
     }
-    float m = warp_max(v[0]);
+    // The maximum is the same value in any order: the lane's own first, then one warp tree.
+    float m = v[0];
 #pragma unroll
-    for (int j = 1; j < ROUTER_TOPK_THREADS / 32; j++) m = fmaxf(m, j < NE ? warp_max(v[j]) : -INFINITY);
+    for (int j = 1; j < NE; j++) m = fmaxf(m, v[j]);
+    m = warp_max(m);
     float ev[NE];
 #pragma unroll
     for (int j = 0; j < NE; j++) ev[j] = 32u * j + lane < E ? expf(v[j] - m) : 0.0f;
