@@ -243,8 +243,9 @@ extern "C" __global__ void indexer_select(const FpIndexerSelect p) {
 
 // Sparse attention in two launches (one node), flash-decoding style over a fixed token partition.
 // - sparse_attn: block (row, kv head, chunk of SA_CHUNK tokens) for all the kv head's query heads: scores
-//   q.k / sqrt(hd) (warp per token, lane per 8 dims, fixed tree), the chunk's max m and sum l of exp(s - m), and
-//   o = sum exp(s - m) v (thread per value column, tokens in order) into scratch [rows, heads, nchunks, 2 + hd].
+//   q.k / sqrt(hd) (warp per token, lane per 8 dims: `sa_dims`, fixed tree), the chunk's max m and sum l of
+//   exp(s - m), and o = sum exp(s - m) v (thread per value column, tokens in order) into scratch
+//   [rows, heads, nchunks, 2 + hd].
 // - sparse_attn_combine: block per (row, head): M = max m_z, out = sum_z exp(m_z - M) o_z / sum_z exp(m_z - M) l_z
 //   (chunks in order), times sigmoid(gate).
 // The token partition depends only on the position (never on the grid or the other rows): row invariant.
@@ -281,9 +282,28 @@ DEV float warp_sum_scatter16(const float (&v)[16], u32 lane) {
     return d + __shfl_xor_sync(FULL_MASK, d, 1);
 }
 
+// The 8 values of a row of hd (<= 256, a multiple of 8) that lane `lane` holds in sparse_attn's scores: dims
+// 4 lane .. 4 lane + 3, then 128 + 4 lane .. + 3; zeros past hd. vec: the row is 16-byte aligned.
+DEV void sa_dims(const float* row, u32 hd, u32 lane, bool vec, float (&x)[8]) {
+#pragma unroll
+    for (int hf = 0; hf < 2; hf++) {
+        const u32 d = 128 * hf + 4 * lane;
+        if (d < hd && vec) {
+            const float4 v = *(const float4*)(row + d);
+            x[4 * hf] = v.x;
+            x[4 * hf + 1] = v.y;
+            x[4 * hf + 2] = v.z;
+            x[4 * hf + 3] = v.w;
+        } else {
+#pragma unroll
+            for (int e = 0; e < 4; e++) x[4 * hf + e] = d < hd ? row[d + e] : 0.0f;
+        }
+    }
+}
+
 extern "C" __global__ void sparse_attn(const FpSparseAttn p) {
     pdl_start();
-    __shared__ float qs[SA_MAX_Q];
+    __shared__ __align__(16) float qs[SA_MAX_Q];
     __shared__ float ps[SA_MAX_G][SA_CHUNK];
     __shared__ u32 toks[SA_CHUNK];
     const FpCommon& c = p.c;
@@ -317,26 +337,27 @@ extern "C" __global__ void sparse_attn(const FpSparseAttn p) {
         const float* q = fptr(p.q) + (u64)r * p.heads * hd + (u64)kv * G * hd;
         for (u32 i = threadIdx.x; i < G * hd; i += blockDim.x) qs[i] = q[i];
         __syncthreads();
-        // Scores: warp per token. Fast path (hd <= 256, aligned): each warp loads all its tokens' keys first.
+        // Scores: warp per token. Fast path (hd <= 256, a multiple of 8): each warp loads all its tokens' keys first;
+        // lane l holds dims 4 l .. 4 l + 3 and 128 + 4 l .. + 3 (`sa_dims`), so each 16-byte load of the warp, from
+        // the cache or from the staged q, is 512 contiguous bytes (no excess sectors, no bank conflicts).
         if ((hd & 7) == 0 && hd <= 256 && nw == ATTN_WARPS) {
             float kreg[SA_CHUNK / ATTN_WARPS][8];
 #pragma unroll
             for (int u = 0; u < SA_CHUNK / ATTN_WARPS; u++) {
-                const u32 i = warp + nw * u, d0 = lane * 8;
-                if (i < cnt && d0 < hd) {
-                    load_x8(kc + (u64)toks[i] * w + (u64)kv * hd + d0, aligned, kreg[u]);
-                } else {
-#pragma unroll
-                    for (int e = 0; e < 8; e++) kreg[u][e] = 0.0f;
-                }
+                const u32 i = warp + nw * u;
+                sa_dims(kc + (u64)toks[i < cnt ? i : 0] * w + (u64)kv * hd, i < cnt ? hd : 0, lane, aligned, kreg[u]);
             }
 #pragma unroll
             for (int u = 0; u < SA_CHUNK / ATTN_WARPS; u++) {
-                const u32 i = warp + nw * u, d0 = lane * 8;
+                const u32 i = warp + nw * u;
                 if (i >= cnt) break;
                 float a[SA_MAX_G];
 #pragma unroll
-                for (int g = 0; g < SA_MAX_G; g++) a[g] = (u32)g < G && d0 < hd ? dot8(qs + g * hd + d0, kreg[u]) : 0.0f;
+                for (int g = 0; g < SA_MAX_G; g++) {
+                    float qv[8];
+                    sa_dims(qs + g * hd, (u32)g < G ? hd : 0, lane, true, qv);
+                    a[g] = (u32)g < G ? dot8(qv, kreg[u]) : 0.0f;
+                }
                 // Head h's sum ends in lanes 2h, 2h + 1 (`warp_sum_scatter16`), the same bits as warp_sum(a[h]).
                 const float d = warp_sum_scatter16(a, lane);
                 const u32 h = lane >> 1;
