@@ -63,7 +63,7 @@ DEV bool topk_before(u32 key, u32 id, u32 bk, u32 bi) { return key > bk || (key 
 // The top-k of row r by one warp, bit for bit the values of router_topk (block of ROUTER_TOPK_THREADS threads,
 // thread e = expert e): lane l holds experts e = 32 j + l (j < NE, NE * 32 >= experts), so register j of the warp is
 // router_topk's warp j. max: the largest logit, the value router_topk's block_max finds (a maximum does not depend
-// on the order it is taken in). z: warp_sum of each j (router_topk's warp trees), summed in j
+// on the order it is taken in; only when every logit is NaN may the two differ, and then every p is NaN in both). z: warp_sum of each j (router_topk's warp trees), summed in j
 // order from 0.0f (block_sum; its warps past NE add exact zeros, omitted). p = expf(v - m) / z as there. Selection:
 // topk rounds of the lane-local best (key = bits of p, as router_topk's radix keys: p >= +0 orders as u32) then a
 // 5-step xor-shuffle argmax of (key, id), key descending, id ascending: the repeated argmax that router_topk's
