@@ -142,6 +142,42 @@ struct LinearStore {
     }
 };
 
+// Steps s0 .. s1 of one m-tile against NT n-tiles of rows already split into their BF16 terms: xb[nt] is the lane's
+// three terms at step s0 (12 uint4 per step), in shared memory (SHARED: the lone row's `xs`) or in global memory
+// (linear_split_rows' scratch, read through __ldg). U steps of weight loads in flight, then their MMAs.
+template <int U, int NT, bool SHARED>
+DEV void tc_steps_split(float (&acc)[NT][3][4], const uint4* wp, u32 s0, u32 s1, const uint4* (&xb)[NT]) {
+    u32 st = s0;
+    for (; st + U <= s1; st += U) {
+        uint4 w0[U], w1[U];
+        tc_load_tiles<U>(w0, w1, wp);
+#pragma unroll
+        for (int u = 0; u < U; u++)
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                const uint4* xp = xb[nt] + u * 12;
+                const uint4 xt[3] = {SHARED ? xp[0] : __ldg(xp), SHARED ? xp[1] : __ldg(xp + 1),
+                                     SHARED ? xp[2] : __ldg(xp + 2)};
+                tc_step_split(acc[nt], w0[u], w1[u], xt);
+            }
+        wp += U * TC_TILE_U4;
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) xb[nt] += U * 12;
+    }
+    for (; st < s1; st++) {
+        const uint4 w0 = ldg_stream16_l2pf(wp), w1 = ldg_stream16_l2pf(wp + 32);
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            const uint4* xp = xb[nt];
+            const uint4 xt[3] = {SHARED ? xp[0] : __ldg(xp), SHARED ? xp[1] : __ldg(xp + 1),
+                                 SHARED ? xp[2] : __ldg(xp + 2)};
+            tc_step_split(acc[nt], w0, w1, xt);
+            xb[nt] += 12;
+        }
+        wp += TC_TILE_U4;
+    }
+}
+
 // Blocks block, block + nblocks, ... of a launch of nblocks blocks, each (8 / S) m-tiles of 16 output features;
 // T is the row tile (1, 2, 4, 8 or 16: one or two n-tiles), U the steps of loads in flight. The weights are in MMA
 // tiles (TC_TILE_U4), so a step's loads are two unconditional 16-byte loads per lane that are its A fragments.
@@ -200,27 +236,8 @@ DEV void linear_tc_rows(const FpLinear& a, u32 total, u32 block, u32 nblocks, co
             if (lone) {
                 // Column g of the MMA is lane group g's activations: every group reads the row's (shared memory
                 // broadcast), and only column 0 is kept; a column's sums never mix with another column's.
-                const uint4* xp = xs + (s0 * 4 + q) * 3;
-                const uint4* wp = wt;
-                u32 st = s0;
-                for (; st + U <= s1; st += U) {
-                    uint4 w0[U], w1[U];
-                    tc_load_tiles<U>(w0, w1, wp);
-#pragma unroll
-                    for (int u = 0; u < U; u++) {
-                        const uint4 xt[3] = {xp[u * 12], xp[u * 12 + 1], xp[u * 12 + 2]};
-                        tc_step_split(acc[0], w0[u], w1[u], xt);
-                    }
-                    wp += U * TC_TILE_U4;
-                    xp += U * 12;
-                }
-                for (; st < s1; st++) {
-                    const uint4 w0 = ldg_stream16_l2pf(wp), w1 = ldg_stream16_l2pf(wp + 32);
-                    const uint4 xt[3] = {xp[0], xp[1], xp[2]};
-                    tc_step_split(acc[0], w0, w1, xt);
-                    wp += TC_TILE_U4;
-                    xp += 12;
-                }
+                const uint4* xb[NT] = {xs + (s0 * 4 + q) * 3};
+                tc_steps_split<U, NT, true>(acc, wt, s0, s1, xb);
             } else if (T >= 2) {
                 // The rows' terms as linear_split_rows left them (xsplit): n-tile nt's lane (g, q) takes row
                 // i0 + 8 nt + g (a row past the launch's rows reads row 0; columns from T on are never written).
@@ -230,33 +247,7 @@ DEV void linear_tc_rows(const FpLinear& a, u32 total, u32 block, u32 nblocks, co
                     const u32 r = i0 + nt * 8 + g;
                     xb[nt] = xsplit + ((u64)(r < total ? r : 0) * steps + s0) * 12 + q * 3;
                 }
-                const uint4* wp = wt;
-                u32 st = s0;
-                for (; st + U <= s1; st += U) {
-                    uint4 w0[U], w1[U];
-                    tc_load_tiles<U>(w0, w1, wp);
-#pragma unroll
-                    for (int u = 0; u < U; u++)
-#pragma unroll
-                        for (int nt = 0; nt < NT; nt++) {
-                            const uint4* xp = xb[nt] + u * 12;
-                            const uint4 xt[3] = {__ldg(xp), __ldg(xp + 1), __ldg(xp + 2)};
-                            tc_step_split(acc[nt], w0[u], w1[u], xt);
-                        }
-                    wp += U * TC_TILE_U4;
-#pragma unroll
-                    for (int nt = 0; nt < NT; nt++) xb[nt] += U * 12;
-                }
-                for (; st < s1; st++) {
-                    const uint4 w0 = ldg_stream16_l2pf(wp), w1 = ldg_stream16_l2pf(wp + 32);
-#pragma unroll
-                    for (int nt = 0; nt < NT; nt++) {
-                        const uint4 xt[3] = {__ldg(xb[nt]), __ldg(xb[nt] + 1), __ldg(xb[nt] + 2)};
-                        tc_step_split(acc[nt], w0, w1, xt);
-                        xb[nt] += 12;
-                    }
-                    wp += TC_TILE_U4;
-                }
+                tc_steps_split<U, NT, false>(acc, wt, s0, s1, xb);
             } else {
                 // One row past TC_LONE_STEPS steps, or one of several rows in a tile of one:
                 // batches of U steps, the batch's weight loads all in flight, then its MMAs.
