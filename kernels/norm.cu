@@ -54,12 +54,13 @@ extern "C" __global__ void gated_norm(const FpGatedNorm p) {
 // Hyper-connection read in three or four launches (one node). Hn = grouped RMSNorm(H, hc_norm) (groups of dim);
 // lo = silu(W_down Hn / C), inj[c] = 2 sigmoid(W_inj[c] . Hn / C), a[d] = mean_c sigmoid(W_up lo)[c*D+d] * Hn[c*D+d].
 // - hc_norm: block per (row, hyper-connection): Hn into scratch [rows, C*D];
-// - hc_read: split-K block dots (common.cuh `slice_dots`) of HC_NPW outputs of [W_down; W_inj] per block over Hn,
-//   every row; lo into scratch [rows, rank] after Hn;
+// - hc_read: split-K block dots (common.cuh `slice_dots`) of NPW outputs of [W_down; W_inj] per block over Hn,
+//   every row; lo into scratch [rows, rank] after Hn. NPW is 2 up to 4 rows (hc_read_t1, _t2, _t4) and 4 beyond
+//   (hc_read_t4_wide, tiles of 4 rows over blockIdx.y), where each block's re-read of its rows of Hn (40 KB per row
+//   at the real width) costs more than the blocks lost; an output's arithmetic does not depend on NPW;
 // - from two rows on, hc_mix_split: lo's rows into their BF16 terms (the linears' `linear_split_rows`);
 // - hc_mix_tc: the gates W_up lo on tensor cores (`linear_tc_rows`, up tiled feature-major) and the mix over c in
 //   order as its epilogue (HcMixStore below).
-#define HC_NPW 2
 
 DEV u32 hc_rows(const FpHcRead& p) { return p.gathered ? p.c.nstreams : p.c.nstreams * p.c.window; }
 
@@ -150,9 +151,9 @@ extern "C" __global__ void hc_norm(const FpHcRead p) {
     }
 }
 
-template <int T, int U>
+template <int T, int NPW, int U>
 DEV void hc_read_t(const FpHcRead& p, u32 nrows) {
-    __shared__ float part[SPLIT_WARPS][HC_NPW][T];
+    __shared__ float part[SPLIT_WARPS][NPW][T];
     const FpCommon& c = p.c;
     const u32 W = p.dim * p.hc;
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -161,11 +162,11 @@ DEV void hc_read_t(const FpHcRead& p, u32 nrows) {
     const bool wvec = (W & 7) == 0 && (p.down & 15) == 0 && (p.inject & 15) == 0;
     const float* hn = fptr(c.scratch);
     float* lo = fptr(c.scratch) + (u64)nrows * W;
-    for (u32 q0 = blockIdx.x * HC_NPW; q0 < nout; q0 += gridDim.x * HC_NPW) {
-        const u32 nm = nout - q0 < HC_NPW ? nout - q0 : HC_NPW;
-        const bf16_t* w[HC_NPW];
+    for (u32 q0 = blockIdx.x * NPW; q0 < nout; q0 += gridDim.x * NPW) {
+        const u32 nm = nout - q0 < NPW ? nout - q0 : NPW;
+        const bf16_t* w[NPW];
 #pragma unroll
-        for (int m = 0; m < HC_NPW; m++) {
+        for (int m = 0; m < NPW; m++) {
             const u32 q = (u32)m < nm ? q0 + m : q0;
             w[m] = q < p.rank ? (const bf16_t*)p.down + (u64)q * W : (const bf16_t*)p.inject + (u64)(q - p.rank) * W;
         }
@@ -173,12 +174,12 @@ DEV void hc_read_t(const FpHcRead& p, u32 nrows) {
             bool ok[T];
 #pragma unroll
             for (int t = 0; t < T; t++) ok[t] = i0 + t < nrows && row_ok(c, i0 + t, p.gathered);
-            slice_dots<T, HC_NPW, U>(w, nm, hn + (u64)i0 * W, W, ok, W, S, wvec, lane, warp, part);
+            slice_dots<T, NPW, U>(w, nm, hn + (u64)i0 * W, W, ok, W, S, wvec, lane, warp, part);
             __syncthreads();
-            for (u32 k = threadIdx.x; k < HC_NPW * T; k += blockDim.x) {
+            for (u32 k = threadIdx.x; k < NPW * T; k += blockDim.x) {
                 const u32 m = k / T, t = k % T, q = q0 + m, r = i0 + t;
                 if (q >= nout || r >= nrows || !row_ok(c, r, p.gathered)) continue;
-                const float v = slice_sum<T, HC_NPW>(part, 0, S, m, t);
+                const float v = slice_sum<T, NPW>(part, 0, S, m, t);
                 if (q < p.rank)
                     lo[(u64)r * p.rank + q] = siluf_(v / (float)p.hc);
                 else
@@ -189,14 +190,12 @@ DEV void hc_read_t(const FpHcRead& p, u32 nrows) {
     }
 }
 
-// Entry points per row tile (hc_read_t1, _t2, _t4; beyond 4 rows the launch adds tiles over blockIdx.y).
-template <int T>
-DEV void hc_read_entry(const FpHcRead& p) {
-    hc_read_t<T, 8>(p, hc_rows(p));
-}
-extern "C" __global__ void hc_read_t1(const FpHcRead p) { pdl_start(); hc_read_entry<1>(p); }
-extern "C" __global__ void hc_read_t2(const FpHcRead p) { pdl_start(); hc_read_entry<2>(p); }
-extern "C" __global__ void hc_read_t4(const FpHcRead p) { pdl_start(); hc_read_entry<4>(p); }
+// Entry points per row tile (hc_read_t1, _t2, _t4 with 2 outputs per block; beyond 4 rows hc_read_t4_wide with 4,
+// the launch adding tiles over blockIdx.y). 16 weight chunks per lane in flight either way.
+extern "C" __global__ void hc_read_t1(const FpHcRead p) { pdl_start(); hc_read_t<1, 2, 8>(p, hc_rows(p)); }
+extern "C" __global__ void hc_read_t2(const FpHcRead p) { pdl_start(); hc_read_t<2, 2, 8>(p, hc_rows(p)); }
+extern "C" __global__ void hc_read_t4(const FpHcRead p) { pdl_start(); hc_read_t<4, 2, 8>(p, hc_rows(p)); }
+extern "C" __global__ void hc_read_t4_wide(const FpHcRead p) { pdl_start(); hc_read_t<4, 4, 4>(p, hc_rows(p)); }
 
 // The mix on tensor cores: the gates G = lo up^T [rows, C*D] are a linear of K = rank (linear.cuh
 // `linear_tc_rows`) over `up` tiled feature-major (runtime/src/cuda/weights.rs `tile_hc_up`: gate row d*C + c), so

@@ -244,6 +244,7 @@ mod tests {
             "add_broadcast",
             "hc_read_t1",
             "hc_read_t4",
+            "hc_read_t4_wide",
             "hc_mix_split",
             "hc_mix_tc_t1",
             "hc_mix_tc_t2",

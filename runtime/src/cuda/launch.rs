@@ -124,6 +124,19 @@ const LINEAR: ByRows = &[
     "linear_t16",
 ];
 const HC_READ: ByRows = &["hc_read_t1", "hc_read_t2", "hc_read_t4"];
+/// `hc_read`'s down/inject launch (kernels/norm.cu): its entry point, outputs per block and tiles of rows over
+/// `blockIdx.y`. Up to 4 rows 2 outputs per block ([`HC_READ`]); beyond, `hc_read_t4_wide` with 4 outputs per
+/// block in tiles of 4 rows, so each block reads its rows of Hn for twice the outputs (H200, lone-w8 1977 -> 1931 us,
+/// lone-w16 2933 -> 2899 us; at 4 rows, one tile, the halved grid was slower: 1496 -> 1507 us). An output's
+/// arithmetic is the same in every entry point (row invariance).
+fn hc_read_launch(nrows: u32) -> (&'static str, u32, u32) {
+    if nrows > 4 {
+        ("hc_read_t4_wide", 4, nrows.div_ceil(4))
+    } else {
+        let (read, tiles) = by_row_tiles(HC_READ, nrows);
+        (read, 2, tiles)
+    }
+}
 const HC_MIX_TC: ByRows = &[
     "hc_mix_tc_t1",
     "hc_mix_tc_t2",
@@ -534,16 +547,16 @@ fn hc_read_spec(a: &Addrs, v: &Variant, op: &Op, norm: bool) -> Result<LaunchSpe
     };
     let outs = *rank + if p.inject != 0 { *hc } else { 0 };
     let nrows = if gathered { streams } else { rows };
-    let (read, tiles) = by_row_tiles(HC_READ, nrows);
+    let (read, npw, tiles) = hc_read_launch(nrows);
     let params = bytes(&p);
     let spec = if norm {
         LaunchSpec::new("hc_norm", params, (nrows * *hc, 1, 1), 256).then_grid(
             read,
-            (outs.div_ceil(2), tiles, 1),
+            (outs.div_ceil(npw), tiles, 1),
             256,
         )
     } else {
-        LaunchSpec::new(read, params, (outs.div_ceil(2), tiles, 1), 256)
+        LaunchSpec::new(read, params, (outs.div_ceil(npw), tiles, 1), 256)
     };
     let spec = if nrows >= 2 {
         spec.then("hc_mix_split", split_grid(nrows, *rank), 256)
