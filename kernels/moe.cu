@@ -1,7 +1,6 @@
 // Mixture of experts, each op in two launches (the runtime launches both for one node), the router in one:
-// - router (logits of every row into scratch [rows, experts], warp per MOE_NPW experts; with router_topk, tiles of at
-//   most 4 rows over blockIdx.y); its last block
-//   to finish (integer count in the node's `done` counter) does the top-k of every row, warp per row (softmax,
+// - router (logits of every row into scratch [rows, experts], warp per MOE_NPW experts (one at one row); with
+//   router_topk, tiles of at most 4 rows over blockIdx.y); its last block to finish (integer count in the node's `done` counter) does the top-k of every row, warp per row (softmax,
 //   repeated argmax with the lowest index on ties, renormalised in rank order). With done == 0 (FLASHPLAN_FUSE_SMALL=0)
 //   router_topk does the same as a second launch (block per row, radix select): the same values bit for bit;
 // - experts (warp per (pair of intermediate features, row, rank), feature-major: silu(gate x) * up x into scratch)
@@ -17,7 +16,7 @@
 #define MOE_MAX_TOPK 32
 #define MOE_NPW 2
 
-template <int T>
+template <int T, int NPW = MOE_NPW, int U = 4>
 DEV void router_t(const FpRouter& p, u32 R) {
     const FpCommon& c = p.c;
     const u32 lane = threadIdx.x & 31;
@@ -25,21 +24,21 @@ DEV void router_t(const FpRouter& p, u32 R) {
     const u32 nwarps = (gridDim.x * blockDim.x) >> 5;
     const bool wvec = (p.dim & 7) == 0 && (p.gate & 15) == 0;
     float* L = fptr(c.scratch);
-    for (u32 e0 = gw * MOE_NPW; e0 < p.experts; e0 += nwarps * MOE_NPW) {
-        const u32 nm = p.experts - e0 < MOE_NPW ? p.experts - e0 : MOE_NPW;
-        const bf16_t* w[MOE_NPW];
+    for (u32 e0 = gw * NPW; e0 < p.experts; e0 += nwarps * NPW) {
+        const u32 nm = p.experts - e0 < NPW ? p.experts - e0 : NPW;
+        const bf16_t* w[NPW];
 #pragma unroll
-        for (int m = 0; m < MOE_NPW; m++)
+        for (int m = 0; m < NPW; m++)
             w[m] = (const bf16_t*)p.gate + (u64)(e0 + ((u32)m < nm ? m : 0)) * p.dim;
         for (u32 i0 = blockIdx.y * T; i0 < R; i0 += gridDim.y * T) {
             bool ok[T];
 #pragma unroll
             for (int t = 0; t < T; t++) ok[t] = i0 + t < R && row_ok(c, i0 + t, false);
-            float res[MOE_NPW][T];
-            warp_dots<T, MOE_NPW, 4>(w, nm, fptr(p.x) + (u64)i0 * p.dim, p.dim, ok, p.dim, wvec, lane, res);
+            float res[NPW][T];
+            warp_dots<T, NPW, U>(w, nm, fptr(p.x) + (u64)i0 * p.dim, p.dim, ok, p.dim, wvec, lane, res);
             if (lane == 0)
 #pragma unroll
-                for (int m = 0; m < MOE_NPW; m++)
+                for (int m = 0; m < NPW; m++)
 #pragma unroll
                     for (int t = 0; t < T; t++)
                         if ((u32)m < nm && ok[t]) L[(u64)(i0 + t) * p.experts + e0 + m] = res[m][t];
@@ -150,14 +149,17 @@ DEV void router_last_block(const FpRouter& p, u32 R) {
 }
 
 // Entry points per row tile (router_t1 .. router_t8: up to 8 rows in one launch, beyond that tiles of 4 rows over
-// blockIdx.y with router_topk following).
-template <int T>
+// blockIdx.y with router_topk following). router_t1 gives a warp one expert and a lane its 10 chunks of the row
+// (K = 2560 at the real width) in flight at once, 8 experts a block (runtime/src/cuda/launch.rs
+// `router_experts_per_block`; H200: 10.9 -> 10.6 us a node); the others a warp MOE_NPW experts, 4 chunks per row in
+// flight. An expert's logit is the same warp_dots sum either way.
+template <int T, int NPW = MOE_NPW, int U = 4>
 DEV void router_entry(const FpRouter& p) {
     const u32 R = p.c.nstreams * p.c.window;
-    router_t<T>(p, R);
+    router_t<T, NPW, U>(p, R);
     if (p.done) router_last_block(p, R);
 }
-extern "C" __global__ void router_t1(const FpRouter p) { pdl_start(); router_entry<1>(p); }
+extern "C" __global__ void router_t1(const FpRouter p) { pdl_start(); router_entry<1, 1, 10>(p); }
 extern "C" __global__ void router_t2(const FpRouter p) { pdl_start(); router_entry<2>(p); }
 extern "C" __global__ void router_t4(const FpRouter p) { pdl_start(); router_entry<4>(p); }
 extern "C" __global__ void router_t8(const FpRouter p) { pdl_start(); router_entry<8>(p); }
@@ -332,7 +334,7 @@ extern "C" __global__ void experts_down(const FpExperts p) {
 
 // hid[r, q] = silu(gate_q . x_r) * (up_q . x_r) (warp per q, all rows); warp q == inter: sg[r] = sigmoid(scale . x_r)
 // at scratch[R * inter + r].
-template <int T>
+template <int T, int U = 4>
 DEV void shared_t(const FpSharedExpert& p, u32 R) {
     const FpCommon& c = p.c;
     const u32 lane = threadIdx.x & 31;
@@ -356,7 +358,7 @@ DEV void shared_t(const FpSharedExpert& p, u32 R) {
 #pragma unroll
             for (int t = 0; t < T; t++) ok[t] = i0 + t < R && row_ok(c, i0 + t, false);
             float res[2][T];
-            warp_dots<T, 2, 4>(w, nm, fptr(p.x) + (u64)i0 * D, D, ok, D, wvec, lane, res);
+            warp_dots<T, 2, U>(w, nm, fptr(p.x) + (u64)i0 * D, D, ok, D, wvec, lane, res);
             if (lane == 0)
 #pragma unroll
                 for (int t = 0; t < T; t++) {
@@ -370,11 +372,13 @@ DEV void shared_t(const FpSharedExpert& p, u32 R) {
     }
 }
 
-template <int T>
+// shared_expert_t1: a lane's 10 chunks of each row (K = 2560 at the real width) in flight at once (H200: 8.3 -> 8.1 us
+// a node).
+template <int T, int U = 4>
 DEV void shared_entry(const FpSharedExpert& p) {
-    shared_t<T>(p, p.c.nstreams * p.c.window);
+    shared_t<T, U>(p, p.c.nstreams * p.c.window);
 }
-extern "C" __global__ void shared_expert_t1(const FpSharedExpert p) { pdl_start(); shared_entry<1>(p); }
+extern "C" __global__ void shared_expert_t1(const FpSharedExpert p) { pdl_start(); shared_entry<1, 10>(p); }
 extern "C" __global__ void shared_expert_t2(const FpSharedExpert p) { pdl_start(); shared_entry<2>(p); }
 extern "C" __global__ void shared_expert_t4(const FpSharedExpert p) { pdl_start(); shared_entry<4>(p); }
 

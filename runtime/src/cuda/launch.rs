@@ -290,8 +290,15 @@ pub(crate) fn hc_mix_slices(gates: u32) -> u32 {
         .unwrap_or(8)
 }
 
-/// Router experts per block of 8 warps (8 x `MOE_NPW`, kernels/moe.cu).
-const ROUTER_EXPERTS_PER_BLOCK: u32 = 16;
+/// Router experts per block of 8 warps for the logits entry point `logits` (kernels/moe.cu): a warp takes one
+/// expert in `router_t1`, `MOE_NPW` = 2 in the others.
+fn router_experts_per_block(logits: &str) -> u32 {
+    if logits == "router_t1" {
+        8
+    } else {
+        16
+    }
+}
 
 /// The error of a parameter builder handed another op's node: `kernel`'s parameters asked of `op`.
 fn wrong_op(kernel: &str, op: &Op) -> BackendError {
@@ -1240,10 +1247,11 @@ pub(crate) fn spec(
             if one_launch {
                 // The logits launch's last block does the top-k (warp per row), counting in the node's counter
                 // (one grid row: the count is over gridDim.x blocks).
+                let logits = by_rows(ROUTER, rows);
                 one(
-                    by_rows(ROUTER, rows),
+                    logits,
                     bytes(&p),
-                    experts.div_ceil(ROUTER_EXPERTS_PER_BLOCK),
+                    experts.div_ceil(router_experts_per_block(logits)),
                     256,
                 )
             } else {
@@ -1251,7 +1259,7 @@ pub(crate) fn spec(
                 LaunchSpec::new(
                     logits,
                     bytes(&p),
-                    (experts.div_ceil(ROUTER_EXPERTS_PER_BLOCK), tiles, 1),
+                    (experts.div_ceil(router_experts_per_block(logits)), tiles, 1),
                     256,
                 )
                 .then("router_topk", rows, ROUTER_TOPK_THREADS)
