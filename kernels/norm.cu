@@ -27,6 +27,8 @@ extern "C" __global__ void rms_norm(const FpRmsNorm p) {
 }
 
 // Per head of dim: y = w * (x * (1 / sqrt(mean(x^2) + eps))) * act(z); one warp per (row, head), grid-stride.
+// Head widths up to 32 * GN_PER take gated_norm's register path.
+#define GN_PER 8
 extern "C" __global__ void gated_norm(const FpGatedNorm p) {
     pdl_start();
     const FpCommon& c = p.c;
@@ -40,6 +42,31 @@ extern "C" __global__ void gated_norm(const FpGatedNorm p) {
         const u64 base = ((u64)r * p.heads + h) * p.dim;
         const float* x = fptr(p.x) + base;
         const float* z = fptr(p.z) + base;
+        if (p.dim <= 32 * GN_PER) {
+            // Every load (x, z, w) before the first store to out (which the compiler could not move them above: out
+            // might alias x or z); the same sums as the loops below (zeros past dim add +0 to a sum of squares).
+            float xv[GN_PER], zv[GN_PER], wv[GN_PER];
+#pragma unroll
+            for (int u = 0; u < GN_PER; u++) {
+                const u32 i = lane + 32 * u;
+                xv[u] = i < p.dim ? x[i] : 0.0f;
+                zv[u] = i < p.dim ? z[i] : 0.0f;
+                wv[u] = i < p.dim ? bfw(p.w, i) : 0.0f;
+            }
+            float ss = 0.0f;
+#pragma unroll
+            for (int u = 0; u < GN_PER; u++) ss += xv[u] * xv[u];
+            ss = warp_sum(ss);
+            const float inv = 1.0f / sqrtf(ss / (float)p.dim + p.eps);
+#pragma unroll
+            for (int u = 0; u < GN_PER; u++) {
+                const u32 i = lane + 32 * u;
+                if (i >= p.dim) break;
+                const float g = p.act == 0 ? sigmoidf_(zv[u]) : siluf_(zv[u]);
+                fptr(p.out)[base + i] = wv[u] * (xv[u] * inv) * g;
+            }
+            continue;
+        }
         float ss = 0.0f;
         for (u32 i = lane; i < p.dim; i += 32) ss += x[i] * x[i];
         ss = warp_sum(ss);
@@ -65,16 +92,19 @@ extern "C" __global__ void gated_norm(const FpGatedNorm p) {
 DEV u32 hc_rows(const FpHcRead& p) { return p.gathered ? p.c.nstreams : p.c.nstreams * p.c.window; }
 
 #define HCN_PER 16
-// One group (hyper-connection) of one row normalised by a block: xv[u] holds element threadIdx.x + blockDim.x u
-// (zeros past dim; dim <= HCN_PER blockDim.x). y = x / sqrt(mean(x^2) + eps) * (1 + w[cc dim ..]). Shared by hc_norm
-// and hc_write_norm, so both give the same bits.
-DEV void hc_norm_group(const float (&xv)[HCN_PER], u64 norm, u32 cc, u32 dim, float eps, float* sh, float* y) {
-    float nv[HCN_PER];
+// The norm weights of group cc for hc_norm_group: nv[u] = w[cc dim + threadIdx.x + blockDim.x u] (zeros past dim).
+DEV void hc_norm_weights(u64 norm, u32 cc, u32 dim, float (&nv)[HCN_PER]) {
 #pragma unroll
     for (int u = 0; u < HCN_PER; u++) {
         const u32 i = threadIdx.x + blockDim.x * u;
         nv[u] = i < dim ? bfw(norm, cc * dim + i) : 0.0f;
     }
+}
+// One group (hyper-connection) of one row normalised by a block: xv[u] holds element threadIdx.x + blockDim.x u
+// (zeros past dim; dim <= HCN_PER blockDim.x), nv the group's norm weights (hc_norm_weights). y = x / sqrt(mean(x^2)
+// + eps) * (1 + w[cc dim ..]). Shared by hc_norm and hc_write_norm, so both give the same bits.
+DEV void hc_norm_group(const float (&xv)[HCN_PER], const float (&nv)[HCN_PER], u32 dim, float eps, float* sh,
+                       float* y) {
     float ss = 0.0f;
 #pragma unroll
     for (int u = 0; u < HCN_PER; u++) ss += xv[u] * xv[u];
@@ -90,7 +120,9 @@ DEV void hc_norm_group(const float (&xv)[HCN_PER], u64 norm, u32 cc, u32 dim, fl
 // hc_write (rows.cu) fused with the hc_norm of the hc_read that follows it on the same h (`FLASHPLAN_FUSE_SMALL`,
 // runtime/src/cuda/launch.rs `fuse_hc_norm`): block per (row, hyper-connection) of 256 threads, dim <= HCN_PER * 256.
 // h[r, c*D + d] = h + inj[r, c] * y[r, d] (hc_write_value), then Hn of the new h into scratch exactly as hc_norm
-// writes it (hc_norm_group on the same values): the same bits as hc_write followed by hc_norm.
+// writes it (hc_norm_group on the same values): the same bits as hc_write followed by hc_norm. Every load (h, y and
+// the norm weights) is issued before the first store to h, which the compiler could not otherwise move them above
+// (h and y might alias): one memory latency instead of one per element (H200: 4.9 -> ... us at one row).
 extern "C" __global__ void hc_write_norm(const FpHcWrite p) {
     pdl_start();
     __shared__ float sh[32];
@@ -104,17 +136,24 @@ extern "C" __global__ void hc_write_norm(const FpHcWrite p) {
         float* h = fptr(p.h) + (u64)r * W + (u64)cc * p.dim;
         const float* y = fptr(p.y) + (u64)r * p.dim;
         const float g = fptr(p.inj)[(u64)r * p.hc + cc];
-        float xv[HCN_PER];
+        float hv[HCN_PER], yv[HCN_PER], nv[HCN_PER], xv[HCN_PER];
+#pragma unroll
+        for (int u = 0; u < HCN_PER; u++) {
+            const u32 i = threadIdx.x + blockDim.x * u;
+            hv[u] = i < p.dim ? h[i] : 0.0f;
+            yv[u] = i < p.dim ? y[i] : 0.0f;
+        }
+        hc_norm_weights(p.norm, cc, p.dim, nv);
 #pragma unroll
         for (int u = 0; u < HCN_PER; u++) {
             const u32 i = threadIdx.x + blockDim.x * u;
             xv[u] = 0.0f;
             if (i < p.dim) {
-                xv[u] = hc_write_value(h[i], g, y[i]);
+                xv[u] = hc_write_value(hv[u], g, yv[u]);
                 h[i] = xv[u];
             }
         }
-        hc_norm_group(xv, p.norm, cc, p.dim, p.eps, sh, hn + (u64)r * W + (u64)cc * p.dim);
+        hc_norm_group(xv, nv, p.dim, p.eps, sh, hn + (u64)r * W + (u64)cc * p.dim);
         __syncthreads();
     }
 }
@@ -132,13 +171,14 @@ extern "C" __global__ void hc_norm(const FpHcRead p) {
         float* y = hn + (u64)r * W + (u64)cc * p.dim;
         if (p.dim <= HCN_PER * blockDim.x) {
             // Every load in flight at once: element i = threadIdx.x + blockDim.x * u.
-            float xv[HCN_PER];
+            float xv[HCN_PER], nv[HCN_PER];
 #pragma unroll
             for (int u = 0; u < HCN_PER; u++) {
                 const u32 i = threadIdx.x + blockDim.x * u;
                 xv[u] = i < p.dim ? x[i] : 0.0f;
             }
-            hc_norm_group(xv, p.norm, cc, p.dim, p.eps, sh, y);
+            hc_norm_weights(p.norm, cc, p.dim, nv);
+            hc_norm_group(xv, nv, p.dim, p.eps, sh, y);
         } else {
             float ss = 0.0f;
             for (u32 i = threadIdx.x; i < p.dim; i += blockDim.x) ss += x[i] * x[i];

@@ -2,6 +2,9 @@
 #include "common.cuh"
 
 
+// Values per thread loaded together before they are stored (ple_mix, ple_mix_conv; ple_embed: block_store_row).
+#define PLE_U 16
+
 // One block per row: thread 0 hashes the row's n-gram ids, then the block gathers the head rows.
 extern "C" __global__ void ple_embed(const FpPleEmbed p) {
     pdl_start();
@@ -39,10 +42,8 @@ extern "C" __global__ void ple_embed(const FpPleEmbed p) {
         }
         __syncthreads();
         const u32 W = p.heads * p.head_dim;
-        for (u32 i = threadIdx.x; i < W; i += blockDim.x) {
-            const u32 head = i / p.head_dim, d = i % p.head_dim;
-            fptr(p.out)[(u64)r * W + i] = bfw(p.table, ids[head] * p.head_dim + d);
-        }
+        block_store_row(fptr(p.out) + (u64)r * W, W, 1, 0,
+                        [&](u32 i) { return bfw(p.table, ids[i / p.head_dim] * p.head_dim + i % p.head_dim); });
         __syncthreads();
     }
 }
@@ -101,8 +102,21 @@ extern "C" __global__ void ple_mix(const FpPleMix p) {
         const float sign = sc > 0.0f ? 1.0f : (sc < 0.0f ? -1.0f : 0.0f);
         const float g = sigmoidf_(sqrtf(fmaxf(fabsf(sc), 1e-6f)) * sign);
         const float ig = 1.0f / sqrtf(g * g * v[2] / (float)D + p.eps);
-        for (u32 d = threadIdx.x; d < D; d += blockDim.x)
-            Gn[d] = (g * V[d]) * ig * (1.0f + bfw(p.norm_conv, cc * D + d));
+        for (u32 d0 = threadIdx.x; d0 < D; d0 += blockDim.x * PLE_U) {
+            // Loads first, then the stores (Gn might alias V for the compiler).
+            float xv[PLE_U], nc[PLE_U];
+#pragma unroll
+            for (int u = 0; u < PLE_U; u++) {
+                const u32 d = d0 + blockDim.x * u;
+                xv[u] = d < D ? V[d] : 0.0f;
+                nc[u] = d < D ? bfw(p.norm_conv, cc * D + d) : 0.0f;
+            }
+#pragma unroll
+            for (int u = 0; u < PLE_U; u++) {
+                const u32 d = d0 + blockDim.x * u;
+                if (d < D) Gn[d] = (g * xv[u]) * ig * (1.0f + nc[u]);
+            }
+        }
         if (threadIdx.x == 0) fptr(c.scratch)[r * p.hc + cc] = g;
         __syncthreads();
     }
@@ -121,17 +135,32 @@ extern "C" __global__ void ple_mix_conv(const FpPleMix p) {
         const float* tail = state_of(c, st.slot, p.tail);
         const u64 r = (u64)s * c.window + j;
         const float g = fptr(c.scratch)[r * p.hc + cc];
-        for (u32 d = threadIdx.x; d < D; d += blockDim.x) {
-            const u32 ch = cc * D + d;
-            float acc = 0.0f;
-            for (u32 t = 0; t < p.kernel; t++) {
-                const u32 i = j + t * p.dilation;
-                const float x = i < tail_len ? tail[(u64)i * W + ch]
-                                             : fptr(p.stash)[((u64)s * c.window + i - tail_len) * W + ch];
-                acc += bfw(p.conv_w, (u64)ch * p.kernel + t) * x;
+        for (u32 d0 = threadIdx.x; d0 < D; d0 += blockDim.x * PLE_U) {
+            // PLE_U channels' loads (conv taps, weights, value, h) before their stores to h, which the compiler
+            // could not move them above (h might alias them).
+            float acc[PLE_U], G[PLE_U], hv[PLE_U];
+#pragma unroll
+            for (int u = 0; u < PLE_U; u++) {
+                const u32 d = d0 + blockDim.x * u;
+                acc[u] = 0.0f;
+                G[u] = 0.0f;
+                hv[u] = 0.0f;
+                if (d >= D) continue;
+                const u32 ch = cc * D + d;
+                for (u32 t = 0; t < p.kernel; t++) {
+                    const u32 i = j + t * p.dilation;
+                    const float x = i < tail_len ? tail[(u64)i * W + ch]
+                                                 : fptr(p.stash)[((u64)s * c.window + i - tail_len) * W + ch];
+                    acc[u] += bfw(p.conv_w, (u64)ch * p.kernel + t) * x;
+                }
+                G[u] = g * fptr(p.value)[r * D + d];
+                hv[u] = fptr(p.h)[r * W + ch];
             }
-            const float G = g * fptr(p.value)[r * D + d];
-            fptr(p.h)[r * W + ch] += G + siluf_(acc);
+#pragma unroll
+            for (int u = 0; u < PLE_U; u++) {
+                const u32 d = d0 + blockDim.x * u;
+                if (d < D) fptr(p.h)[r * W + cc * D + d] = hv[u] + (G[u] + siluf_(acc[u]));
+            }
         }
     }
 }

@@ -11,9 +11,8 @@ DEV void embed_impl(const FpEmbed& p) {
         u32 s, j;
         if (!real_row(c, r, s, j)) continue;
         const u64 tok = token_of(c, r);
-        for (u32 cp = 0; cp < p.copies; cp++)
-            for (u32 d = threadIdx.x; d < p.dim; d += blockDim.x)
-                fptr(p.out)[((u64)r * p.copies + cp) * p.dim + d] = bfw(p.table, tok * p.dim + d);
+        block_store_row(fptr(p.out) + (u64)r * p.copies * p.dim, p.dim, p.copies, p.dim,
+                        [&](u32 d) { return bfw(p.table, tok * p.dim + d); });
     }
 }
 extern "C" __global__ void embed_streams(const FpEmbed p) { pdl_start(); embed_impl(p); }
@@ -27,9 +26,8 @@ extern "C" __global__ void gather_rows(const FpGatherRows p) {
     for (u32 r = blockIdx.x; r < R; r += gridDim.x) {
         u32 s, j;
         if (!real_row(c, r, s, j)) continue;
-        const u64 from = stream_of(c, s).src_row + j;
-        for (u32 i = threadIdx.x; i < p.width; i += blockDim.x)
-            fptr(p.out)[(u64)r * p.width + i] = fptr(p.src)[from * p.width + i];
+        const float* src = fptr(p.src) + ((u64)stream_of(c, s).src_row + j) * p.width;
+        block_store_row(fptr(p.out) + (u64)r * p.width, p.width, 1, 0, [&](u32 i) { return src[i]; });
     }
 }
 
@@ -40,9 +38,8 @@ extern "C" __global__ void last_rows(const FpLastRows p) {
     for (u32 s = blockIdx.x; s < c.nstreams; s += gridDim.x) {
         const u32 rows = stream_of(c, s).rows;
         if (rows == 0) continue;
-        const u64 r = (u64)s * c.window + rows - 1;
-        for (u32 i = threadIdx.x; i < p.width; i += blockDim.x)
-            fptr(p.out)[(u64)s * p.width + i] = fptr(p.x)[r * p.width + i];
+        const float* x = fptr(p.x) + ((u64)s * c.window + rows - 1) * p.width;
+        block_store_row(fptr(p.out) + (u64)s * p.width, p.width, 1, 0, [&](u32 i) { return x[i]; });
     }
 }
 
@@ -53,9 +50,8 @@ extern "C" __global__ void add_broadcast(const FpAddBroadcast p) {
     for (u32 r = blockIdx.x; r < R; r += gridDim.x) {
         u32 s, j;
         if (!real_row(c, r, s, j)) continue;
-        for (u32 i = threadIdx.x; i < p.width; i += blockDim.x)
-            fptr(p.out)[(u64)r * p.width + i] =
-                fptr(p.a)[(u64)r * p.width + i] + fptr(p.b)[(u64)r * p.b_width + i % p.b_width];
+        const float *a = fptr(p.a) + (u64)r * p.width, *b = fptr(p.b) + (u64)r * p.b_width;
+        block_store_row(fptr(p.out) + (u64)r * p.width, p.width, 1, 0, [&](u32 i) { return a[i] + b[i % p.b_width]; });
     }
 }
 

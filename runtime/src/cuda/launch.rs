@@ -836,7 +836,7 @@ pub(crate) fn spec(
             p.mult[..mult.len()].copy_from_slice(&mult);
             p.sizes[..sizes.len()].copy_from_slice(&sizes);
             p.offsets[..offsets.len()].copy_from_slice(&offsets);
-            one("ple_embed", bytes(&p), rows, 128)
+            one("ple_embed", bytes(&p), rows, 256)
         }
         Op::PleMix {
             h,
