@@ -122,7 +122,7 @@ DEV void hc_norm_group(const float (&xv)[HCN_PER], const float (&nv)[HCN_PER], u
 // h[r, c*D + d] = h + inj[r, c] * y[r, d] (hc_write_value), then Hn of the new h into scratch exactly as hc_norm
 // writes it (hc_norm_group on the same values): the same bits as hc_write followed by hc_norm. Every load (h, y and
 // the norm weights) is issued before the first store to h, which the compiler could not otherwise move them above
-// (h and y might alias): one memory latency instead of one per element (H200: 4.9 -> ... us at one row).
+// (h and y might alias): one memory latency instead of one per element (H200, one row: 4.9 -> 2.9 us a launch).
 extern "C" __global__ void hc_write_norm(const FpHcWrite p) {
     pdl_start();
     __shared__ float sh[32];

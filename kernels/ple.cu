@@ -2,7 +2,8 @@
 #include "common.cuh"
 
 
-// Values per thread loaded together before they are stored (ple_mix, ple_mix_conv; ple_embed: block_store_row).
+// Values per thread loaded together before they are stored (ple_mix, ple_mix_conv; ple_embed uses common.cuh's
+// block_store_row).
 #define PLE_U 16
 
 // One block per row: thread 0 hashes the row's n-gram ids, then the block gathers the head rows.
@@ -137,13 +138,14 @@ extern "C" __global__ void ple_mix_conv(const FpPleMix p) {
         const float g = fptr(c.scratch)[r * p.hc + cc];
         for (u32 d0 = threadIdx.x; d0 < D; d0 += blockDim.x * PLE_U) {
             // PLE_U channels' loads (conv taps, weights, value, h) before their stores to h, which the compiler
-            // could not move them above (h might alias them).
-            float acc[PLE_U], G[PLE_U], hv[PLE_U];
+            // could not move them above (h might alias them). h += g v + silu(conv) with g v fused into the add
+            // (fmaf, as the compiler contracted the one-channel loop before: the same bits).
+            float acc[PLE_U], vv[PLE_U], hv[PLE_U];
 #pragma unroll
             for (int u = 0; u < PLE_U; u++) {
                 const u32 d = d0 + blockDim.x * u;
                 acc[u] = 0.0f;
-                G[u] = 0.0f;
+                vv[u] = 0.0f;
                 hv[u] = 0.0f;
                 if (d >= D) continue;
                 const u32 ch = cc * D + d;
@@ -153,13 +155,13 @@ extern "C" __global__ void ple_mix_conv(const FpPleMix p) {
                                                  : fptr(p.stash)[((u64)s * c.window + i - tail_len) * W + ch];
                     acc[u] += bfw(p.conv_w, (u64)ch * p.kernel + t) * x;
                 }
-                G[u] = g * fptr(p.value)[r * D + d];
+                vv[u] = fptr(p.value)[r * D + d];
                 hv[u] = fptr(p.h)[r * W + ch];
             }
 #pragma unroll
             for (int u = 0; u < PLE_U; u++) {
                 const u32 d = d0 + blockDim.x * u;
-                if (d < D) fptr(p.h)[r * W + cc * D + d] = hv[u] + (G[u] + siluf_(acc[u]));
+                if (d < D) fptr(p.h)[r * W + cc * D + d] = hv[u] + fmaf(g, vv[u], siluf_(acc[u]));
             }
         }
     }
