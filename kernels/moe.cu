@@ -1,8 +1,9 @@
 // Mixture of experts, each op in two launches (the runtime launches both for one node), the router in one:
 // - router (logits of every row into scratch [rows, experts], warp per MOE_NPW experts (one at one row); with
 //   router_topk, tiles of at most 4 rows over blockIdx.y); its last block to finish (integer count in the node's
-//   `done` counter) does the top-k of every row, warp per row (softmax, repeated argmax with the lowest index on ties, renormalised in rank order). With done == 0 (FLASHPLAN_FUSE_SMALL=0)
-//   router_topk does the same as a second launch (block per row, radix select): the same values bit for bit;
+//   `done` counter) does the top-k of every row, warp per row (softmax, repeated argmax with the lowest index on
+//   ties, renormalised in rank order). With done == 0 (FLASHPLAN_FUSE_SMALL=0) router_topk does the same as a second
+//   launch (block per row, radix select): the same values bit for bit;
 // - experts (warp per (pair of intermediate features, row, rank), feature-major: silu(gate x) * up x into scratch)
 //   then experts_down (warp per (output feature, row): four groups of 8 lanes take the ranks, summed in rank
 //   order); feature-major, so rows routed to one expert read its rows side by side (the repeats from L2);
