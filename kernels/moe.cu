@@ -8,7 +8,9 @@
 //   then experts_down (warp per (output feature, row): four groups of 8 lanes take the ranks, summed in rank
 //   order); feature-major, so rows routed to one expert read its rows side by side (the repeats from L2);
 // - shared_expert (warp per intermediate feature, tiles of at most 4 rows over blockIdx.y; the sigmoid gate by one
-//   more warp) then shared_expert_down (warp per 2 output features; out += gate * down).
+//   more warp) then shared_expert_down (warp per 2 output features; out = fmaf(gate, down, out)). On the graph's side
+//   branch (runtime/src/cuda/launch.rs `branch_shared_experts`) both run beside the router and the experts' gate/up,
+//   and experts_down adds the shared expert's dots with the same fmaf.
 // The routed experts are chosen on the device, so one graph serves any routing. Every value's reduction order is
 // fixed by the kernel (lane order, fixed trees, ranks in order): row invariant.
 #include "common.cuh"
@@ -329,7 +331,11 @@ extern "C" __global__ void experts_down(const FpExperts p) {
                 if (i < p.topk) out += fptr(p.weights)[(u64)r * p.topk + i] * t;
             }
         }
-        if (lane == 0) fptr(p.out)[(u64)r * D + d] = out;
+        if (lane == 0) {
+            // The shared expert of the side branch: the fmaf shared_expert_down does in place otherwise.
+            if (p.shared) out = fmaf(fptr(p.shared)[r], fptr(p.shared)[R + (u64)r * D + d], out);
+            fptr(p.out)[(u64)r * D + d] = out;
+        }
     }
 }
 
@@ -383,7 +389,8 @@ extern "C" __global__ void shared_expert_t1(const FpSharedExpert p) { pdl_start(
 extern "C" __global__ void shared_expert_t2(const FpSharedExpert p) { pdl_start(); shared_entry<2>(p); }
 extern "C" __global__ void shared_expert_t4(const FpSharedExpert p) { pdl_start(); shared_entry<4>(p); }
 
-// out[r, d] += sg[r] * (down_d . hid[r]); warp per 2 features d, all rows.
+// out[r, d] = fmaf(sg[r], down_d . hid[r], out[r, d]); warp per 2 features d, all rows. With keep_dots (the side
+// branch) the dots stay in the scratch after sg for experts_down, which does the same fmaf.
 template <int T>
 DEV void shared_down_t(const FpSharedExpert& p, u32 R) {
     const FpCommon& c = p.c;
@@ -409,8 +416,13 @@ DEV void shared_down_t(const FpSharedExpert& p, u32 R) {
 #pragma unroll
                     for (int t = 0; t < T; t++) {
                         if ((u32)m >= nm || !ok[t]) continue;
-                        const float sg = S[(u64)R * I + i0 + t];
-                        fptr(p.out)[(u64)(i0 + t) * D + d0 + m] += sg * res[m][t];
+                        const u64 at = (u64)(i0 + t) * D + d0 + m;
+                        if (p.keep_dots) {
+                            fptr(c.scratch)[(u64)R * I + R + at] = res[m][t];
+                        } else {
+                            float* o = fptr(p.out) + at;
+                            *o = fmaf(S[(u64)R * I + i0 + t], res[m][t], *o);
+                        }
                     }
         }
     }

@@ -377,7 +377,9 @@ typedef struct FpRouter {
     u32 norm;
 } FpRouter;
 
-/* Scratch: hidden activations [rows, topk * inter] f32. */
+/* Scratch: hidden activations [rows, topk * inter] f32. shared: 0, or the shared expert of the same rows run on
+   the side branch (FpSharedExpert.keep_dots): its gates sg[rows] then its down dots [rows, dim] f32, which
+   experts_down adds: out = fmaf(sg, dot, routed), as shared_expert_down does in place otherwise. */
 typedef struct FpExperts {
     FpCommon c;
     u64 x;
@@ -390,9 +392,12 @@ typedef struct FpExperts {
     u32 dim;
     u32 inter;
     u32 pad;
+    u64 shared;
 } FpExperts;
 
-/* Scratch: hidden activations [rows, inter] f32. */
+/* Scratch: hidden activations [rows, inter] f32, then sg [rows]. keep_dots: 0, shared_expert_down adds to out; 1,
+   it leaves its down dots [rows, dim] in the scratch after sg (the side branch: experts_down adds them,
+   FpExperts.shared). */
 typedef struct FpSharedExpert {
     FpCommon c;
     u64 x;
@@ -403,6 +408,8 @@ typedef struct FpSharedExpert {
     u64 out;
     u32 dim;
     u32 inter;
+    u32 keep_dots;
+    u32 pad;
 } FpSharedExpert;
 
 /* mode: 0 every real row, 1 each stream's last real row, 2 gathered MTP rows (one per stream). */

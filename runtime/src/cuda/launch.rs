@@ -27,17 +27,27 @@ pub(crate) struct Addrs<'a> {
     /// Fewer launches for the small ops (`FLASHPLAN_FUSE_SMALL`): the router in one launch up to
     /// `ROUTER_ONE_LAUNCH_ROWS` rows (its last block does the top-k). Same bits either way.
     pub fuse_small: bool,
+    /// The side branch's scratch ([`side_scratch_elems`] elements), or 0 to run every launch on the main stream.
+    pub side_scratch: u64,
 }
 
 /// One node's launch: kernel name, parameter bytes, grid, block; `then`: more kernels launched right after, in
 /// order, with the same parameters (ops done in phases: hc_read, experts, shared_expert, indexer_select, sparse_attn,
 /// sample; the router with `FLASHPLAN_FUSE_SMALL=0`), each with its own grid and (1-D) block.
+///
+/// `side`: launches on the worker's side stream, forked from the main stream just before this spec's first launch
+/// (they depend on every earlier launch, and nothing on the main stream waits for them until a `join_before`).
+/// `join_before`: the main stream waits for the side branch before this spec's launch number `join_before` (0: the
+/// kernel, `k`: `then[k - 1]`). A variant's graph is captured with the branch ([`branch_shared_experts`]); the
+/// per-node benchmark graphs run the side launches in line, before the spec's own.
 pub(crate) struct LaunchSpec {
     pub kernel: &'static str,
     pub params: Vec<u8>,
     pub grid: (u32, u32, u32),
     pub block: (u32, u32, u32),
     pub then: Vec<(&'static str, (u32, u32, u32), u32)>,
+    pub side: Option<Box<LaunchSpec>>,
+    pub join_before: Option<usize>,
 }
 
 impl LaunchSpec {
@@ -49,6 +59,8 @@ impl LaunchSpec {
             grid,
             block: (block, 1, 1),
             then: Vec::new(),
+            side: None,
+            join_before: None,
         }
     }
     fn then(self, kernel: &'static str, grid: u32, block: u32) -> LaunchSpec {
@@ -489,6 +501,9 @@ pub(crate) fn specs(
     if a.fuse_small {
         fuse_hc_norm(a, v, &mut out)?;
     }
+    if a.side_scratch != 0 {
+        branch_shared_experts(a, v, &mut out)?;
+    }
     for (sp, n) in out.iter_mut().zip(&v.nodes) {
         if commit_in_window_one(v, &n.op) {
             *sp = None;
@@ -575,6 +590,107 @@ fn hc_read_spec(a: &Addrs, v: &Variant, op: &Op, norm: bool) -> Result<LaunchSpe
         gates.div_ceil(tc_features_per_block(p.split)),
         256,
     ))
+}
+
+/// The `Experts` node's launches: `experts` (the gate/up, thread per pair of features of a (row, rank)), then
+/// `experts_down` (warp per (output feature, row)); `shared`: 0, or the side branch's shared-expert gates, its down
+/// dots following, for `experts_down` to add ([`branch_shared_experts`]).
+fn experts_spec(a: &Addrs, v: &Variant, op: &Op, shared: u64) -> Result<LaunchSpec, BackendError> {
+    let Op::Experts {
+        x,
+        ids,
+        weights,
+        gate_up,
+        down,
+        out,
+        topk,
+        dim,
+        inter,
+    } = op
+    else {
+        return Err(wrong_op("experts", op));
+    };
+    let (streams, window) = v.kind.shape();
+    let rows = streams * window;
+    let p = FpExperts {
+        c: a.common,
+        x: a.buf(v, *x),
+        ids: a.buf(v, *ids),
+        weights: a.buf(v, *weights),
+        gate_up: a.w(*gate_up)?,
+        down: a.w(*down)?,
+        out: a.buf(v, *out),
+        topk: *topk,
+        dim: *dim,
+        inter: *inter,
+        pad: 0,
+        shared,
+    };
+    if *topk > MOE_MAX_TOPK {
+        return Err(BackendError::Device(format!(
+            "experts: top-{topk} is not supported (at most {MOE_MAX_TOPK})"
+        )));
+    }
+    let items = rows as u64 * *topk as u64 * inter.div_ceil(2) as u64;
+    Ok(
+        LaunchSpec::new("experts", bytes(&p), (items.div_ceil(8) as u32, 1, 1), 256).then(
+            "experts_down",
+            (rows * *dim).div_ceil(8),
+            256,
+        ),
+    )
+}
+
+/// The `SharedExpert` node's launches: the gate/up (warp per intermediate feature, row tiles over `blockIdx.y`),
+/// then the down. `side`: the side branch's scratch, where the launches keep their down dots for `experts_down`
+/// ([`branch_shared_experts`]); `None`: the node's own launches on the main stream, adding to `out`.
+fn shared_expert_spec(
+    a: &Addrs,
+    v: &Variant,
+    op: &Op,
+    side: Option<u64>,
+) -> Result<LaunchSpec, BackendError> {
+    let Op::SharedExpert {
+        x,
+        gate,
+        up,
+        down,
+        scale,
+        out,
+        dim,
+        inter,
+    } = op
+    else {
+        return Err(wrong_op("shared_expert", op));
+    };
+    let (streams, window) = v.kind.shape();
+    let rows = streams * window;
+    let mut c = a.common;
+    if let Some(scratch) = side {
+        c.scratch = scratch;
+    }
+    let p = FpSharedExpert {
+        c,
+        x: a.buf(v, *x),
+        gate: a.w(*gate)?,
+        up: a.w(*up)?,
+        down: a.w(*down)?,
+        scale: a.w(*scale)?,
+        out: a.buf(v, *out),
+        dim: *dim,
+        inter: *inter,
+        keep_dots: side.is_some() as u32,
+        pad: 0,
+    };
+    let (gate_up, tiles) = by_row_tiles(SHARED_EXPERT, rows);
+    let (down, _) = by_row_tiles(SHARED_EXPERT_DOWN, rows);
+    Ok(LaunchSpec::new(
+        gate_up,
+        bytes(&p),
+        ((*inter + 1).div_ceil(8), tiles, 1),
+        256,
+    )
+    .then_grid(down, (dim.div_ceil(16), tiles, 1), 256))
 }
 
 /// Whether an `HcRead` reads only each stream's last row (its `h` holds one row per stream).
@@ -665,6 +781,68 @@ fn fuse_hc_norm(
         out[i + 1] = Some(hc_read_spec(a, v, r, false)?);
     }
     Ok(())
+}
+
+/// The shared expert on a side branch of the graph: wherever a `Router`, its `Experts` and a `SharedExpert` of the
+/// same input and output follow each other, the shared expert's two launches fork onto the side stream at the
+/// router's node (after the launch that wrote x), with their scratch in the side scratch, and leave their down dots
+/// there (`keep_dots`); `experts_down` waits for them and adds them (`FpExperts::shared`: `fmaf(sg, dot, routed)`,
+/// the fmaf `shared_expert_down` does in place otherwise, so the bits are the same). The shared expert (latency
+/// bound at one row: 9.8 MB of weights at the real width) then runs while the router picks the experts. The
+/// `SharedExpert` node gets no launch of its own.
+fn branch_shared_experts(
+    a: &Addrs,
+    v: &Variant,
+    out: &mut [Option<LaunchSpec>],
+) -> Result<(), BackendError> {
+    for i in 0..v.nodes.len().saturating_sub(2) {
+        let (
+            Op::Router { x, ids, .. },
+            experts @ Op::Experts {
+                x: ex,
+                ids: eids,
+                out: eout,
+                ..
+            },
+            shared @ Op::SharedExpert {
+                x: sx, out: sout, ..
+            },
+        ) = (&v.nodes[i].op, &v.nodes[i + 1].op, &v.nodes[i + 2].op)
+        else {
+            continue;
+        };
+        if x != ex
+            || x != sx
+            || ids != eids
+            || eout != sout
+            || out[i..i + 3].iter().any(|s| s.is_none())
+        {
+            continue;
+        }
+        let side = shared_expert_spec(a, v, shared, Some(a.side_scratch))?;
+        let (streams, window) = v.kind.shape();
+        let Op::SharedExpert { inter, .. } = shared else {
+            unreachable!("matched above")
+        };
+        let sg = a.side_scratch + 4 * streams as u64 * window as u64 * *inter as u64;
+        let mut ex_spec = experts_spec(a, v, experts, sg)?;
+        ex_spec.join_before = Some(ex_spec.then.len());
+        if let Some(r) = out[i].as_mut() {
+            r.side = Some(Box::new(side));
+        }
+        out[i + 1] = Some(ex_spec);
+        out[i + 2] = None;
+    }
+    Ok(())
+}
+
+/// Elements of the side branch's scratch for a `SharedExpert` over `rows` rows: its own scratch (hid, sg), then
+/// its down dots `[rows, dim]` (`keep_dots`).
+pub(crate) fn side_scratch_elems(op: &Op, rows: u64) -> u64 {
+    match op {
+        Op::SharedExpert { inter, dim, .. } => rows * (*inter as u64 + 1 + *dim as u64),
+        _ => 0,
+    }
 }
 
 /// Whether node `op` of variant `v` is a `GdnCommit` whose work its layer's `gdn_conv` and `gdn_recur` already did:
@@ -1265,73 +1443,8 @@ pub(crate) fn spec(
                 .then("router_topk", rows, ROUTER_TOPK_THREADS)
             }
         }
-        Op::Experts {
-            x,
-            ids,
-            weights,
-            gate_up,
-            down,
-            out,
-            topk,
-            dim,
-            inter,
-        } => {
-            let p = FpExperts {
-                c,
-                x: a.buf(v, *x),
-                ids: a.buf(v, *ids),
-                weights: a.buf(v, *weights),
-                gate_up: a.w(*gate_up)?,
-                down: a.w(*down)?,
-                out: a.buf(v, *out),
-                topk: *topk,
-                dim: *dim,
-                inter: *inter,
-                pad: 0,
-            };
-            if *topk > MOE_MAX_TOPK {
-                return Err(BackendError::Device(format!(
-                    "experts: top-{topk} is not supported (at most {MOE_MAX_TOPK})"
-                )));
-            }
-            let items = rows as u64 * *topk as u64 * inter.div_ceil(2) as u64;
-            one("experts", bytes(&p), items.div_ceil(8) as u32, 256).then(
-                "experts_down",
-                (rows * *dim).div_ceil(8),
-                256,
-            )
-        }
-        Op::SharedExpert {
-            x,
-            gate,
-            up,
-            down,
-            scale,
-            out,
-            dim,
-            inter,
-        } => {
-            let p = FpSharedExpert {
-                c,
-                x: a.buf(v, *x),
-                gate: a.w(*gate)?,
-                up: a.w(*up)?,
-                down: a.w(*down)?,
-                scale: a.w(*scale)?,
-                out: a.buf(v, *out),
-                dim: *dim,
-                inter: *inter,
-            };
-            let (gate_up, tiles) = by_row_tiles(SHARED_EXPERT, rows);
-            let (down, _) = by_row_tiles(SHARED_EXPERT_DOWN, rows);
-            LaunchSpec::new(
-                gate_up,
-                bytes(&p),
-                ((*inter + 1).div_ceil(8), tiles, 1),
-                256,
-            )
-            .then_grid(down, (dim.div_ceil(16), tiles, 1), 256)
-        }
+        Op::Experts { .. } => experts_spec(a, v, op, 0)?,
+        Op::SharedExpert { .. } => shared_expert_spec(a, v, op, None)?,
         Op::Sample {
             logits,
             tokens,
@@ -1371,8 +1484,19 @@ mod tests {
     use super::*;
 
     /// The launch specs of every variant of the tiny plan, with made-up device addresses (no GPU: specs only
-    /// compute parameters and shapes), with and without `FLASHPLAN_FUSE_SMALL`.
+    /// compute parameters and shapes), with and without `FLASHPLAN_FUSE_SMALL`, with the side branch.
     fn tiny_specs(fuse_small: bool) -> Vec<(Variant, Vec<Option<LaunchSpec>>)> {
+        tiny_specs_side(fuse_small, SIDE_SCRATCH)
+    }
+
+    /// A made-up side scratch address.
+    const SIDE_SCRATCH: u64 = 0x6000_0000;
+
+    /// [`tiny_specs`] with the side scratch at `side_scratch` (0: no side branch).
+    fn tiny_specs_side(
+        fuse_small: bool,
+        side_scratch: u64,
+    ) -> Vec<(Variant, Vec<Option<LaunchSpec>>)> {
         let body = super::fuse::tests::tiny_plan();
         let weights: Vec<u64> = (0..body.weights.len() as u64)
             .map(|i| 0x1000_0000 + (i << 20))
@@ -1399,10 +1523,74 @@ mod tests {
                     rope_cfg: &rope,
                     counters: 0x5000_0000,
                     fuse_small,
+                    side_scratch,
                 };
                 (v.clone(), specs(&a, v, true).expect("specs"))
             })
             .collect()
+    }
+
+    /// A spec's parameter struct, read back from its bytes.
+    fn params_of<T: Copy>(sp: &LaunchSpec) -> T {
+        assert_eq!(sp.params.len(), std::mem::size_of::<T>());
+        // SAFETY: the bytes are a T's (`bytes`), the read is unaligned-safe.
+        unsafe { std::ptr::read_unaligned(sp.params.as_ptr() as *const T) }
+    }
+
+    #[test]
+    fn the_shared_expert_runs_on_the_side_branch_and_experts_down_joins_it() {
+        let mut seen = 0;
+        for (v, sp) in tiny_specs(true) {
+            let rows = (v.kind.shape().0 * v.kind.shape().1) as u64;
+            for (i, n) in v.nodes.iter().enumerate() {
+                let Op::SharedExpert { inter, .. } = n.op else {
+                    continue;
+                };
+                seen += 1;
+                assert!(
+                    sp[i].is_none(),
+                    "{}: the shared expert has no launch of its own",
+                    v.kind.name()
+                );
+                assert!(matches!(v.nodes[i - 2].op, Op::Router { .. }));
+                let router = sp[i - 2].as_ref().expect("router launched");
+                let side = router
+                    .side
+                    .as_ref()
+                    .expect("the shared expert forks at the router");
+                assert!(
+                    side.kernel.starts_with("shared_expert_t"),
+                    "{}",
+                    side.kernel
+                );
+                assert!(side.side.is_none() && side.join_before.is_none());
+                let sh: FpSharedExpert = params_of(side);
+                assert_eq!((sh.keep_dots, sh.c.scratch), (1, SIDE_SCRATCH));
+                let experts = sp[i - 1].as_ref().expect("experts launched");
+                assert_eq!(experts.join_before, Some(experts.then.len()));
+                assert_eq!(experts.then.last().map(|t| t.0), Some("experts_down"));
+                let ex: FpExperts = params_of(experts);
+                assert_eq!(
+                    ex.shared,
+                    SIDE_SCRATCH + 4 * rows * inter as u64,
+                    "sg after hid [rows, inter]"
+                );
+            }
+        }
+        assert!(seen > 0, "the tiny plan has shared experts");
+        // Without a side scratch every launch stays on the main stream and the shared expert adds in place.
+        for (v, sp) in tiny_specs_side(true, 0) {
+            for (n, s) in v.nodes.iter().zip(&sp) {
+                let Some(s) = s else { continue };
+                assert!(s.side.is_none() && s.join_before.is_none());
+                if matches!(n.op, Op::SharedExpert { .. }) {
+                    assert_eq!(params_of::<FpSharedExpert>(s).keep_dots, 0);
+                }
+                if matches!(n.op, Op::Experts { .. }) {
+                    assert_eq!(params_of::<FpExperts>(s).shared, 0);
+                }
+            }
+        }
     }
 
     #[test]

@@ -560,6 +560,12 @@ impl Event {
             .map(Event)
             .map_err(dev_err("event"))
     }
+    /// An event for ordering only (fork and join of graph branches).
+    fn untimed() -> Result<Event, BackendError> {
+        result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .map(Event)
+            .map_err(dev_err("event"))
+    }
 }
 
 impl Drop for Event {
@@ -587,6 +593,8 @@ struct Worker {
     slots: DevBuf,
     desc: DevBuf,
     scratch: DevBuf,
+    /// The side branch's scratch (`launch::side_scratch_elems`); `None` when no node runs on the side branch.
+    side_scratch: Option<DevBuf>,
     /// Node counters (`launch::Addrs::counters`): one zeroed u32 per node of every variant, variant i's from
     /// `counter_base[i]`.
     #[allow(dead_code)] // held for its allocation (counter_base points into it)
@@ -604,6 +612,10 @@ struct Worker {
     fuse_small: bool,
     modules: Vec<sys::CUmodule>,
     rope_cfg: Rope,
+    /// Fork and join of the side branch during capture (`launch::LaunchSpec::side`).
+    fork: Event,
+    join: Event,
+    side: Arc<CudaStream>,
     stream: Arc<CudaStream>,
     ctx: Arc<CudaContext>,
 }
@@ -699,6 +711,8 @@ impl Worker {
             )));
         }
         let stream = ctx.new_stream().map_err(dev_err("stream"))?;
+        let side = ctx.new_stream().map_err(dev_err("stream"))?;
+        let (fork, join) = (Event::untimed()?, Event::untimed()?);
         // Modules and functions.
         let mut modules = Vec::new();
         let mut funcs = HashMap::new();
@@ -762,6 +776,17 @@ impl Worker {
             }
         }
         let scratch = DevBuf::new(scratch as usize * 4)?;
+        let mut side_elems = 0u64;
+        for v in &body.variants {
+            let (s, w) = v.kind.shape();
+            for n in &v.nodes {
+                side_elems = side_elems.max(launch::side_scratch_elems(&n.op, (s * w) as u64));
+            }
+        }
+        let side_scratch = match side_elems {
+            0 => None,
+            n => Some(DevBuf::new(n as usize * 4)?),
+        };
         // One u32 counter per node of every variant, zeroed here (before any graph is captured); the kernels that
         // count in theirs leave it 0 after every launch.
         let mut counter_base = Vec::with_capacity(body.variants.len());
@@ -791,6 +816,7 @@ impl Worker {
             slots,
             desc,
             scratch,
+            side_scratch,
             counters,
             counter_base,
             rope,
@@ -801,6 +827,9 @@ impl Worker {
             fuse_small,
             modules,
             rope_cfg,
+            fork,
+            join,
+            side,
             stream,
             ctx,
         })
@@ -873,16 +902,69 @@ impl Worker {
             rope_cfg: &self.rope_cfg,
             counters: self.counter_base[i],
             fuse_small: self.fuse_small,
+            side_scratch: self.side_scratch.as_ref().map_or(0, |b| b.ptr),
         };
         launch::specs(&a, v, self.fuse_linear)
     }
 
-    fn launch(&self, sp: &launch::LaunchSpec) -> Result<(), BackendError> {
+    /// The launches of `sp` on the main stream; with `branches`, its side launches on the side stream (forked
+    /// here, joined before launch `join_before`: `launch::LaunchSpec`), else in line before its own. Graph capture
+    /// only (a wait on the join event outside a capture would wait for a stale record).
+    fn launch(&self, sp: &launch::LaunchSpec, branches: bool) -> Result<(), BackendError> {
+        let (main, side) = (self.cu(), self.side.cu_stream());
+        if let Some(s) = &sp.side {
+            if branches {
+                // SAFETY: events and streams are valid; both streams are in this capture from here on.
+                unsafe {
+                    result::event::record(self.fork.0, main).map_err(dev_err("fork"))?;
+                    result::stream::wait_event(
+                        side,
+                        self.fork.0,
+                        sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                    )
+                    .map_err(dev_err("fork"))?;
+                }
+                self.launch_on(s, side, false)?;
+                // SAFETY: as above.
+                unsafe { result::event::record(self.join.0, side) }.map_err(dev_err("join"))?;
+            } else {
+                self.launch_on(s, main, self.pdl)?;
+            }
+        }
         let mut params = sp.params.clone();
         let mut args = [params.as_mut_ptr() as *mut c_void];
-        self.launch_one(sp.kernel, sp.grid, sp.block, &mut args)?;
+        let launches = std::iter::once((sp.kernel, sp.grid, sp.block))
+            .chain(sp.then.iter().map(|&(k, g, b)| (k, g, (b, 1, 1))));
+        for (n, (kernel, grid, block)) in launches.enumerate() {
+            let join = branches && sp.join_before == Some(n);
+            if join {
+                // SAFETY: the join event was recorded on the side stream in this capture.
+                unsafe {
+                    result::stream::wait_event(
+                        main,
+                        self.join.0,
+                        sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                    )
+                }
+                .map_err(dev_err("join"))?;
+            }
+            self.launch_one(kernel, grid, block, &mut args, main, self.pdl && !join)?;
+        }
+        Ok(())
+    }
+
+    /// Every launch of `sp` (not its side launches) on `stream`.
+    fn launch_on(
+        &self,
+        sp: &launch::LaunchSpec,
+        stream: sys::CUstream,
+        pdl: bool,
+    ) -> Result<(), BackendError> {
+        let mut params = sp.params.clone();
+        let mut args = [params.as_mut_ptr() as *mut c_void];
+        self.launch_one(sp.kernel, sp.grid, sp.block, &mut args, stream, pdl)?;
         for &(k2, grid, block) in &sp.then {
-            self.launch_one(k2, grid, (block, 1, 1), &mut args)?;
+            self.launch_one(k2, grid, (block, 1, 1), &mut args, stream, pdl)?;
         }
         Ok(())
     }
@@ -895,6 +977,8 @@ impl Worker {
         grid: (u32, u32, u32),
         block: (u32, u32, u32),
         args: &mut [*mut c_void; 1],
+        stream: sys::CUstream,
+        pdl: bool,
     ) -> Result<(), BackendError> {
         let f = *self.funcs.get(kernel).ok_or_else(|| {
             BackendError::Device(format!("the plan's kernels have no entry point `{kernel}`"))
@@ -914,9 +998,9 @@ impl Worker {
             blockDimY: block.1,
             blockDimZ: block.2,
             sharedMemBytes: 0,
-            hStream: self.cu(),
+            hStream: stream,
             attrs: &mut attr,
-            numAttrs: u32::from(self.pdl),
+            numAttrs: u32::from(pdl),
         };
         // SAFETY: the function takes one parameter struct by value whose bytes `args[0]` points to; every address in
         // it points into this worker's allocations, which outlive the launch (and every graph). `config` and `attr`
@@ -932,7 +1016,7 @@ impl Worker {
         }
         let t0 = Instant::now();
         let specs = self.specs(i)?;
-        let g = self.capture_graph(specs.iter().flatten())?;
+        let g = self.capture_graph(specs.iter().flatten(), true)?;
         self.graphs.insert(i, g);
         Ok(Some(CaptureInfo {
             variant: self.body.variants[i].kind.name(),
@@ -1039,13 +1123,15 @@ impl Worker {
 
     /// A graph of `n` back-to-back launches of one node (benchmarks only; the node's side effects repeat).
     fn repeat_graph(&self, sp: &launch::LaunchSpec, n: u32) -> Result<Graph, BackendError> {
-        self.capture_graph(std::iter::repeat_n(sp, n as usize))
+        self.capture_graph(std::iter::repeat_n(sp, n as usize), false)
     }
 
-    /// Captures the launches of `specs`, in order, into an instantiated graph (on our stream, thread-local mode).
+    /// Captures the launches of `specs`, in order, into an instantiated graph (on our stream, thread-local mode);
+    /// with `branches` the side launches on the side stream (`launch::LaunchSpec::side`), else in line.
     fn capture_graph<'s>(
         &self,
         specs: impl Iterator<Item = &'s launch::LaunchSpec>,
+        branches: bool,
     ) -> Result<Graph, BackendError> {
         // SAFETY: capture on our non-default stream in thread-local mode; ended below on every path.
         unsafe {
@@ -1057,7 +1143,7 @@ impl Worker {
         .map_err(dev_err("begin capture"))?;
         let mut launched = Ok(());
         for sp in specs {
-            launched = self.launch(sp);
+            launched = self.launch(sp, branches);
             if launched.is_err() {
                 break;
             }
@@ -1119,18 +1205,31 @@ impl Worker {
                 continue;
             };
             // The node's cost inside a graph: a graph of NODE_REPEATS back-to-back copies of it, replayed; the time
-            // per copy includes the in-graph launch gap, as in the variant's own graph.
-            let g = self.repeat_graph(sp, NODE_REPEATS)?;
-            let mut best = f64::MAX;
-            for _ in 0..3 {
-                // SAFETY: an instantiated graph on our stream.
-                let ms = time(self, &|t| {
-                    unsafe { result::graph::launch(g.exec, t.cu()) }
-                        .map_err(dev_err("graph launch"))
-                })?;
-                best = best.min(ms as f64 * 1e3 / NODE_REPEATS as f64);
-            }
-            *per.entry(sp.name()).or_default() += best;
+            // per copy includes the in-graph launch gap, as in the variant's own graph. Side launches run in line
+            // here; their own time goes to their kernel.
+            let node_us = |sp: &launch::LaunchSpec| -> Result<f64, BackendError> {
+                let g = self.repeat_graph(sp, NODE_REPEATS)?;
+                let mut best = f64::MAX;
+                for _ in 0..3 {
+                    // SAFETY: an instantiated graph on our stream.
+                    let ms = time(self, &|t| {
+                        unsafe { result::graph::launch(g.exec, t.cu()) }
+                            .map_err(dev_err("graph launch"))
+                    })?;
+                    best = best.min(ms as f64 * 1e3 / NODE_REPEATS as f64);
+                }
+                Ok(best)
+            };
+            let best = node_us(sp)?;
+            let side_us = match &sp.side {
+                Some(side) => {
+                    let t = node_us(side)?;
+                    *per.entry(side.name()).or_default() += t;
+                    t
+                }
+                None => 0.0,
+            };
+            *per.entry(sp.name()).or_default() += best - side_us;
             nodes_us.push(best);
         }
         let mut kernels_us: Vec<(String, f64)> = per.into_iter().collect();
