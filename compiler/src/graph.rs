@@ -291,6 +291,11 @@ impl<'a> Builder<'a> {
         let v_raw = self.arena(format!("{t}.v_raw"), (kvh * hd) as u64);
         let w = self.wf(&format!("{p}.v_proj.weight"), form)?;
         self.linear(a, w, v_raw, d, kvh * hd);
+        // The indexer's projection of the same input right after q, k and v (before attn_prep, which it does not
+        // touch), so the CUDA backend launches the four as one linear_multi (runtime/src/cuda/fuse.rs).
+        let iqk = self.arena(format!("{t}.index_qk"), ((ih + 1) * id) as u64);
+        let w = self.wf(&format!("{p}.indexer.index_qk_proj.weight"), form)?;
+        self.linear(a, w, iqk, d, (ih + 1) * id);
         let q = self.arena(format!("{t}.q"), (h * hd) as u64);
         let gate = self.arena(format!("{t}.gate"), (h * hd) as u64);
         let k_cache = self.s(&format!("{sp}.k_cache"))?;
@@ -312,9 +317,6 @@ impl<'a> Builder<'a> {
             eps,
         };
         self.push(op);
-        let iqk = self.arena(format!("{t}.index_qk"), ((ih + 1) * id) as u64);
-        let w = self.wf(&format!("{p}.indexer.index_qk_proj.weight"), form)?;
-        self.linear(a, w, iqk, d, (ih + 1) * id);
         let iq = self.arena(format!("{t}.index_q"), (ih * id) as u64);
         let raw_keys = self.s(&format!("{sp}.indexer_raw_keys"))?;
         let pooled = self.s(&format!("{sp}.indexer_pooled"))?;

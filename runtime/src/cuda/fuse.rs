@@ -1,5 +1,5 @@
 //! Launch-time fusion of sibling linears: a run of consecutive `Linear` nodes reading the same input (a GDN layer's
-//! qkv, z, b and a projections; an attention layer's q, k and v) becomes one `linear_multi` launch
+//! qkv, z, b and a projections; an attention layer's q, k, v and indexer qk) becomes one `linear_multi` launch
 //! (`kernels/linear.cu`) instead of one `linear` launch each. The small projections (n = 48) are pure launch
 //! latency; fused they ride along with the large one. Each output element keeps the arithmetic of its own `linear`
 //! launch (same row tile, split of K, slices and sums), so fused and unfused results are bit-identical.
@@ -201,7 +201,7 @@ pub(super) mod tests {
                 assert!(xs.iter().all(|&x| x == xs[0]));
             }
             // Main-model variants (MTP variants run no numbered layer): GDN layer 0's qkv, z, b, a in one
-            // launch; attention layer 3's q, k, v.
+            // launch; attention layer 3's q, k, v and indexer qk.
             if !v.nodes.iter().any(|n| n.layer == Some(0)) {
                 continue;
             }
@@ -221,8 +221,27 @@ pub(super) mod tests {
                 ns,
                 vec![c.gdn_conv_dim(), hv * c.linear_value_head_dim, hv, hv]
             );
+            // Attention layer 3: q, k, v and the indexer's qk projection (compiler/src/graph.rs emits it right
+            // after v).
             let a3 = first_linear(v, 3);
-            assert!(groups.contains(&(a3..a3 + 3)), "{}", v.kind.name());
+            assert!(groups.contains(&(a3..a3 + 4)), "{}", v.kind.name());
+            let ns: Vec<u32> = v.nodes[a3..a3 + 4]
+                .iter()
+                .map(|n| match n.op {
+                    Op::Linear { n, .. } => n,
+                    _ => 0,
+                })
+                .collect();
+            let kv = c.num_key_value_heads * c.head_dim;
+            assert_eq!(
+                ns,
+                vec![
+                    2 * c.num_attention_heads * c.head_dim,
+                    kv,
+                    kv,
+                    (c.indexer_n_heads + 1) * c.indexer_head_dim
+                ]
+            );
         }
         assert!(checked > 0, "no main-model variant");
     }
