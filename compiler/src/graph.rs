@@ -422,14 +422,10 @@ impl<'a> Builder<'a> {
         Ok(y)
     }
 
-    fn ple(
-        &mut self,
-        h: BufId,
-        i: usize,
-        ple_index: u32,
-        keep: KeepSrc,
-        commits: &mut Vec<Op>,
-    ) -> R<()> {
+    /// The PLE layer `i`'s n-gram embedding and its key and value projections (section 8): they read only the
+    /// window's tokens and the n-gram history, so `main_forward` emits them before layer 0 (the CUDA backend runs
+    /// them beside the first layers: runtime/src/cuda/launch.rs `branch_ple_prep`). Returns (key, value).
+    fn ple_prep(&mut self, i: usize, ple_index: u32) -> R<(BufId, BufId)> {
         let cfg = self.cfg;
         let p = format!("layers.{i}.ple");
         let t = format!("l{i}.ple");
@@ -439,7 +435,6 @@ impl<'a> Builder<'a> {
         let hc = cfg.hc_width();
         let u = self.arena(format!("{t}.embedding"), pd as u64);
         let history = self.s(&format!("layers.{i}.ple.history"))?;
-        let tail = self.s(&format!("layers.{i}.ple.tail"))?;
         let op = Op::PleEmbed {
             tokens: TokenSrc::Desc,
             history,
@@ -456,6 +451,24 @@ impl<'a> Builder<'a> {
         let value = self.arena(format!("{t}.value"), cfg.hidden_size as u64);
         let w = self.w(&format!("{p}.value_proj.weight"))?;
         self.linear(u, w, value, pd, cfg.hidden_size);
+        Ok((key, value))
+    }
+
+    /// The PLE layer `i`'s injection into h (section 8) from its key and value ([`Self::ple_prep`]), and its commit.
+    fn ple_mix(
+        &mut self,
+        h: BufId,
+        i: usize,
+        (key, value): (BufId, BufId),
+        keep: KeepSrc,
+        commits: &mut Vec<Op>,
+    ) -> R<()> {
+        let cfg = self.cfg;
+        let p = format!("layers.{i}.ple");
+        let t = format!("l{i}.ple");
+        let hc = cfg.hc_width();
+        let history = self.s(&format!("layers.{i}.ple.history"))?;
+        let tail = self.s(&format!("layers.{i}.ple.tail"))?;
         let stash = self.arena(format!("{t}.conv_inputs"), hc as u64);
         let op = Op::PleMix {
             h,
@@ -502,14 +515,23 @@ impl<'a> Builder<'a> {
             copies: cfg.hc_count,
         });
         let mut commits = Vec::new();
-        for (i, kind) in cfg.layer_types.iter().enumerate() {
-            self.layer = Some(i as u32);
-            if let Some(ple_index) = cfg
-                .ple_layer_ids
+        // Every PLE layer's embedding and projections first (layer order), each attributed to its layer.
+        let ple_layer = |i: usize| {
+            cfg.ple_layer_ids
                 .iter()
                 .position(|&id| id as usize == i + 1)
-            {
-                self.ple(h, i, ple_index as u32, keep, &mut commits)?;
+        };
+        let mut ple_parts = Vec::new();
+        for i in 0..cfg.layer_types.len() {
+            if let Some(ple_index) = ple_layer(i) {
+                self.layer = Some(i as u32);
+                ple_parts.push((i, self.ple_prep(i, ple_index as u32)?));
+            }
+        }
+        for (i, kind) in cfg.layer_types.iter().enumerate() {
+            self.layer = Some(i as u32);
+            if let Some(&(_, parts)) = ple_parts.iter().find(|(l, _)| *l == i) {
+                self.ple_mix(h, i, parts, keep, &mut commits)?;
             }
             let (a, inj) = self.hc_read(
                 h,

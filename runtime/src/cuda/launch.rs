@@ -11,6 +11,7 @@ use crate::backend::BackendError;
 use crate::cpu::kernels::Rope;
 
 /// Device addresses a node's parameters are bound to.
+#[derive(Clone, Copy)]
 pub(crate) struct Addrs<'a> {
     pub body: &'a PlanBody,
     pub arena: u64,
@@ -29,14 +30,19 @@ pub(crate) struct Addrs<'a> {
     pub fuse_small: bool,
     /// The side branch's scratch ([`side_scratch_elems`] elements), or 0 to run every launch on the main stream.
     pub side_scratch: u64,
+    /// The side arena ([`side_arena_elems`] elements) for the buffers of the PLE branch ([`branch_ple_prep`]), or 0.
+    pub side_arena: u64,
+    /// Buffers whose address is not the plan's: (buffer, device address); empty but inside [`branch_ple_prep`].
+    pub moved: &'a [(BufId, u64)],
 }
 
 /// One node's launch: kernel name, parameter bytes, grid, block; `then`: more kernels launched right after, in
 /// order, with the same parameters (ops done in phases: hc_read, experts, shared_expert, indexer_select, sparse_attn,
 /// sample; the router with `FLASHPLAN_FUSE_SMALL=0`), each with its own grid and (1-D) block.
 ///
-/// `side`: launches on the worker's side stream, forked from the main stream just before this spec's first launch
-/// (they depend on every earlier launch, and nothing on the main stream waits for them until a `join_before`).
+/// `side`: specs launched in order on the worker's side stream, forked from the main stream just before this spec's
+/// first launch (they depend on every earlier launch, and nothing on the main stream waits for them until a
+/// `join_before`; the side stream runs its branches in capture order).
 /// `join_before`: the main stream waits for the side branch before this spec's launch number `join_before` (0: the
 /// kernel, `k`: `then[k - 1]`). A variant's graph is captured with the branch ([`branch_shared_experts`]); the
 /// per-node benchmark graphs run the side launches in line, before the spec's own.
@@ -46,7 +52,7 @@ pub(crate) struct LaunchSpec {
     pub grid: (u32, u32, u32),
     pub block: (u32, u32, u32),
     pub then: Vec<(&'static str, (u32, u32, u32), u32)>,
-    pub side: Option<Box<LaunchSpec>>,
+    pub side: Vec<LaunchSpec>,
     pub join_before: Option<usize>,
 }
 
@@ -59,7 +65,7 @@ impl LaunchSpec {
             grid,
             block: (block, 1, 1),
             then: Vec::new(),
-            side: None,
+            side: Vec::new(),
             join_before: None,
         }
     }
@@ -94,6 +100,9 @@ fn bytes<T: Copy>(p: &T) -> Vec<u8> {
 
 impl Addrs<'_> {
     fn buf(&self, v: &Variant, id: BufId) -> u64 {
+        if let Some(&(_, p)) = self.moved.iter().find(|(b, _)| *b == id) {
+            return p;
+        }
         let d = v.buf(id);
         let base = match d.space {
             Space::Arena => self.arena,
@@ -502,6 +511,9 @@ pub(crate) fn specs(
         fuse_hc_norm(a, v, &mut out)?;
     }
     if a.side_scratch != 0 {
+        if a.side_arena != 0 {
+            branch_ple_prep(a, v, &mut out)?;
+        }
         branch_shared_experts(a, v, &mut out)?;
     }
     for (sp, n) in out.iter_mut().zip(&v.nodes) {
@@ -828,7 +840,7 @@ fn branch_shared_experts(
         let mut ex_spec = experts_spec(a, v, experts, sg)?;
         ex_spec.join_before = Some(ex_spec.then.len());
         if let Some(r) = out[i].as_mut() {
-            r.side = Some(Box::new(side));
+            r.side.push(side);
         }
         out[i + 1] = Some(ex_spec);
         out[i + 2] = None;
@@ -836,11 +848,137 @@ fn branch_shared_experts(
     Ok(())
 }
 
-/// Elements of the side branch's scratch for a `SharedExpert` over `rows` rows: its own scratch (hid, sg), then
-/// its down dots `[rows, dim]` (`keep_dots`).
-pub(crate) fn side_scratch_elems(op: &Op, rows: u64) -> u64 {
+/// The PLE prep of a variant: a `PleEmbed` at `i`, the `Linear` nodes right after it that read its output (the
+/// key and value projections) up to `j`, and the `PleMix` at `m` that reads their outputs.
+struct PlePrep {
+    i: usize,
+    j: usize,
+    m: usize,
+    /// The embedding, then the projections' outputs, with their offsets (f32 elements) in the side arena.
+    bufs: Vec<(BufId, u64)>,
+    /// Side arena elements they take.
+    elems: u64,
+}
+
+/// The variant's PLE preps ([`PlePrep`]), where the projections come before their `PleMix` with other nodes in
+/// between (the compiler emits them before layer 0: compiler/src/graph.rs `ple_prep`).
+fn ple_preps(v: &Variant) -> Vec<PlePrep> {
+    let mut preps = Vec::new();
+    for i in 0..v.nodes.len() {
+        let Op::PleEmbed { out: u, .. } = v.nodes[i].op else {
+            continue;
+        };
+        let j = (i + 1..v.nodes.len())
+            .find(|&k| !matches!(v.nodes[k].op, Op::Linear { x, .. } if x == u))
+            .unwrap_or(v.nodes.len());
+        let proj: Vec<BufId> = v.nodes[i + 1..j]
+            .iter()
+            .flat_map(|n| n.op.writes())
+            .collect();
+        let Some(m) = (j..v.nodes.len()).find(|&k| {
+            matches!(v.nodes[k].op, Op::PleMix { .. })
+                && v.nodes[k].op.reads().iter().any(|b| proj.contains(b))
+        }) else {
+            continue;
+        };
+        if j == i + 1 || j == m {
+            continue;
+        }
+        let mut bufs = Vec::new();
+        let mut elems = 0;
+        for b in std::iter::once(u).chain(proj) {
+            bufs.push((b, elems));
+            elems += v.buf(b).elems.div_ceil(64) * 64;
+        }
+        preps.push(PlePrep {
+            i,
+            j,
+            m,
+            bufs,
+            elems,
+        });
+    }
+    preps
+}
+
+/// Side arena elements a variant needs ([`branch_ple_prep`]).
+pub(crate) fn side_arena_elems(v: &Variant) -> u64 {
+    ple_preps(v).iter().map(|p| p.elems).sum()
+}
+
+/// The PLE layers' n-gram embedding and projections on the side branch: they read only the window's tokens, the
+/// n-gram history and weights (the compiler emits them before layer 0), so their launches fork onto the side
+/// stream at the next node and run beside the first layers; the `PleMix` that reads their outputs waits for them.
+/// Their buffers move from the arena (where the nodes in between may reuse the embedding's place) to the side arena
+/// (`Addrs::side_arena`, only these launches and the `PleMix` see the new addresses), and the linears' row splits
+/// to the side scratch, so nothing on the main stream touches what they read or write.
+fn branch_ple_prep(
+    a: &Addrs,
+    v: &Variant,
+    out: &mut [Option<LaunchSpec>],
+) -> Result<(), BackendError> {
+    let mut base = a.side_arena;
+    for p in ple_preps(v) {
+        let (i, j, m) = (p.i, p.j, p.m);
+        if out[j].is_none()
+            || out[m].is_none()
+            || out[i..j]
+                .iter()
+                .flatten()
+                .any(|s| !s.side.is_empty() || s.join_before.is_some())
+        {
+            continue;
+        }
+        let moved: Vec<(BufId, u64)> = p.bufs.iter().map(|&(b, o)| (b, base + 4 * o)).collect();
+        base += 4 * p.elems;
+        let side = Addrs {
+            common: FpCommon {
+                scratch: a.side_scratch,
+                ..a.common
+            },
+            moved: &moved,
+            ..*a
+        };
+        // The branch's launches as `specs` makes them (a fused run of linears stands at its first node).
+        let mut launches = vec![spec(&side, v, i, &v.nodes[i].op)?];
+        let mut k = i + 1;
+        while k < j {
+            let end = (k + 1..j).find(|&e| out[e].is_some()).unwrap_or(j);
+            launches.push(if end - k > 1 {
+                let ops: Vec<&Op> = v.nodes[k..end].iter().map(|n| &n.op).collect();
+                linear_multi(&side, v, &ops)?
+            } else {
+                spec(&side, v, k, &v.nodes[k].op)?
+            });
+            k = end;
+        }
+        let mut mix = spec(
+            &Addrs {
+                moved: &moved,
+                ..*a
+            },
+            v,
+            m,
+            &v.nodes[m].op,
+        )?;
+        mix.join_before = Some(0);
+        for s in &mut out[i..j] {
+            *s = None;
+        }
+        if let Some(s) = out[j].as_mut() {
+            s.side = launches;
+        }
+        out[m] = Some(mix);
+    }
+    Ok(())
+}
+
+/// Elements of the side branch's scratch for a node over `rows` rows: a `SharedExpert`'s own scratch (hid, sg),
+/// then its down dots `[rows, dim]` (`keep_dots`); a `Linear` or `PleEmbed` its own scratch (the PLE branch).
+pub(crate) fn side_scratch_elems(body: &PlanBody, op: &Op, rows: u64) -> u64 {
     match op {
         Op::SharedExpert { inter, dim, .. } => rows * (*inter as u64 + 1 + *dim as u64),
+        Op::Linear { .. } | Op::PleEmbed { .. } => scratch_elems(body, op, rows),
         _ => 0,
     }
 }
@@ -1489,8 +1627,9 @@ mod tests {
         tiny_specs_side(fuse_small, SIDE_SCRATCH)
     }
 
-    /// A made-up side scratch address.
+    /// Made-up side scratch and side arena addresses.
     const SIDE_SCRATCH: u64 = 0x6000_0000;
+    const SIDE_ARENA: u64 = 0x7000_0000;
 
     /// [`tiny_specs`] with the side scratch at `side_scratch` (0: no side branch).
     fn tiny_specs_side(
@@ -1524,6 +1663,8 @@ mod tests {
                     counters: 0x5000_0000,
                     fuse_small,
                     side_scratch,
+                    side_arena: if side_scratch != 0 { SIDE_ARENA } else { 0 },
+                    moved: &[],
                 };
                 (v.clone(), specs(&a, v, true).expect("specs"))
             })
@@ -1556,14 +1697,14 @@ mod tests {
                 let router = sp[i - 2].as_ref().expect("router launched");
                 let side = router
                     .side
-                    .as_ref()
+                    .first()
                     .expect("the shared expert forks at the router");
                 assert!(
                     side.kernel.starts_with("shared_expert_t"),
                     "{}",
                     side.kernel
                 );
-                assert!(side.side.is_none() && side.join_before.is_none());
+                assert!(side.side.is_empty() && side.join_before.is_none());
                 let sh: FpSharedExpert = params_of(side);
                 assert_eq!((sh.keep_dots, sh.c.scratch), (1, SIDE_SCRATCH));
                 let experts = sp[i - 1].as_ref().expect("experts launched");
@@ -1582,7 +1723,7 @@ mod tests {
         for (v, sp) in tiny_specs_side(true, 0) {
             for (n, s) in v.nodes.iter().zip(&sp) {
                 let Some(s) = s else { continue };
-                assert!(s.side.is_none() && s.join_before.is_none());
+                assert!(s.side.is_empty() && s.join_before.is_none());
                 if matches!(n.op, Op::SharedExpert { .. }) {
                     assert_eq!(params_of::<FpSharedExpert>(s).keep_dots, 0);
                 }
@@ -1591,6 +1732,58 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn the_ple_embedding_and_projections_run_on_the_side_branch_until_ple_mix() {
+        let mut seen = 0;
+        for (v, sp) in tiny_specs(true) {
+            let Some(i) = v
+                .nodes
+                .iter()
+                .position(|n| matches!(n.op, Op::PleEmbed { .. }))
+            else {
+                continue;
+            };
+            seen += 1;
+            let name = v.kind.name();
+            // The compiler emits them before layer 0; they have no launches of their own.
+            assert!(v.nodes[..i].iter().all(|n| n.layer.is_none()), "{name}");
+            let j = i + 3;
+            assert!(sp[i..j].iter().all(|s| s.is_none()), "{name}");
+            let fork = sp[j].as_ref().expect("the next node launches");
+            assert_eq!(
+                fork.side.len(),
+                2,
+                "{name}: ple_embed and the fused key/value projections"
+            );
+            assert_eq!(fork.side[0].kernel, "ple_embed");
+            // The embedding, key and value live in the side arena, which ple_mix reads.
+            let e: FpPleEmbed = params_of(&fork.side[0]);
+            assert_eq!(e.out, SIDE_ARENA, "{name}");
+            let lin = &fork.side[1];
+            let (rows, first) = (v.kind.shape().0 * v.kind.shape().1, lin.kernel);
+            assert!(first.starts_with("linear_multi"), "{name}: {first}");
+            if rows >= 2 {
+                let p: FpLinearMulti = params_of(lin);
+                assert_eq!(
+                    p.c.scratch, SIDE_SCRATCH,
+                    "{name}: the rows split into the side scratch"
+                );
+            }
+            let m = (j..v.nodes.len())
+                .find(|&k| matches!(v.nodes[k].op, Op::PleMix { .. }))
+                .expect("ple_mix");
+            let mix = sp[m].as_ref().expect("ple_mix launched");
+            assert_eq!(mix.join_before, Some(0), "{name}");
+            let x: FpPleMix = params_of(mix);
+            let arena = SIDE_ARENA..SIDE_ARENA + 4 * side_arena_elems(&v);
+            assert!(
+                arena.contains(&x.key) && arena.contains(&x.value) && x.key != x.value,
+                "{name}"
+            );
+        }
+        assert!(seen > 0, "the tiny plan has a PLE layer");
     }
 
     #[test]

@@ -595,6 +595,8 @@ struct Worker {
     scratch: DevBuf,
     /// The side branch's scratch (`launch::side_scratch_elems`); `None` when no node runs on the side branch.
     side_scratch: Option<DevBuf>,
+    /// The side arena (`launch::side_arena_elems`): the PLE branch's buffers; `None` without a PLE branch.
+    side_arena: Option<DevBuf>,
     /// Node counters (`launch::Addrs::counters`): one zeroed u32 per node of every variant, variant i's from
     /// `counter_base[i]`.
     #[allow(dead_code)] // held for its allocation (counter_base points into it)
@@ -780,12 +782,17 @@ impl Worker {
         for v in &body.variants {
             let (s, w) = v.kind.shape();
             for n in &v.nodes {
-                side_elems = side_elems.max(launch::side_scratch_elems(&n.op, (s * w) as u64));
+                side_elems =
+                    side_elems.max(launch::side_scratch_elems(&body, &n.op, (s * w) as u64));
             }
         }
         let side_scratch = match side_elems {
             0 => None,
             n => Some(DevBuf::new(n as usize * 4)?),
+        };
+        let side_arena = match body.variants.iter().map(launch::side_arena_elems).max() {
+            None | Some(0) => None,
+            Some(n) => Some(DevBuf::new(n as usize * 4)?),
         };
         // One u32 counter per node of every variant, zeroed here (before any graph is captured); the kernels that
         // count in theirs leave it 0 after every launch.
@@ -817,6 +824,7 @@ impl Worker {
             desc,
             scratch,
             side_scratch,
+            side_arena,
             counters,
             counter_base,
             rope,
@@ -903,6 +911,8 @@ impl Worker {
             counters: self.counter_base[i],
             fuse_small: self.fuse_small,
             side_scratch: self.side_scratch.as_ref().map_or(0, |b| b.ptr),
+            side_arena: self.side_arena.as_ref().map_or(0, |b| b.ptr),
+            moved: &[],
         };
         launch::specs(&a, v, self.fuse_linear)
     }
@@ -912,7 +922,7 @@ impl Worker {
     /// only (a wait on the join event outside a capture would wait for a stale record).
     fn launch(&self, sp: &launch::LaunchSpec, branches: bool) -> Result<(), BackendError> {
         let (main, side) = (self.cu(), self.side.cu_stream());
-        if let Some(s) = &sp.side {
+        if !sp.side.is_empty() {
             if branches {
                 // SAFETY: events and streams are valid; both streams are in this capture from here on.
                 unsafe {
@@ -924,11 +934,15 @@ impl Worker {
                     )
                     .map_err(dev_err("fork"))?;
                 }
-                self.launch_on(s, side, false)?;
+                for s in &sp.side {
+                    self.launch_on(s, side, false)?;
+                }
                 // SAFETY: as above.
                 unsafe { result::event::record(self.join.0, side) }.map_err(dev_err("join"))?;
             } else {
-                self.launch_on(s, main, self.pdl)?;
+                for s in &sp.side {
+                    self.launch_on(s, main, self.pdl)?;
+                }
             }
         }
         let mut params = sp.params.clone();
@@ -1221,14 +1235,12 @@ impl Worker {
                 Ok(best)
             };
             let best = node_us(sp)?;
-            let side_us = match &sp.side {
-                Some(side) => {
-                    let t = node_us(side)?;
-                    *per.entry(side.name()).or_default() += t;
-                    t
-                }
-                None => 0.0,
-            };
+            let mut side_us = 0.0;
+            for side in &sp.side {
+                let t = node_us(side)?;
+                *per.entry(side.name()).or_default() += t;
+                side_us += t;
+            }
             *per.entry(sp.name()).or_default() += best - side_us;
             nodes_us.push(best);
         }
