@@ -171,6 +171,7 @@ enum Cmd {
         u32,
         Sender<Result<BenchResult, BackendError>>,
     ),
+    Replays(usize, Vec<u8>, u32, Sender<Result<f64, BackendError>>),
 }
 
 /// The CUDA backend handle.
@@ -360,6 +361,24 @@ impl CudaBackend {
         let bytes = self.desc_bytes(desc);
         self.invalidate();
         self.call(|tx| Cmd::Bench(idx, bytes, iters, tx))
+    }
+
+    /// The median time of `iters` replays of a variant after warm-up (CUDA events), microseconds; no per-node
+    /// timing (see [`Self::bench`]), so two variants can be timed in alternation. Benchmark only: the replays repeat
+    /// their side effects.
+    ///
+    /// # Errors
+    /// As [`Backend::run`].
+    pub fn replay_median(
+        &mut self,
+        kind: VariantKind,
+        desc: &RoundDesc,
+        iters: u32,
+    ) -> Result<f64, BackendError> {
+        let idx = self.check_desc(kind, desc)?;
+        let bytes = self.desc_bytes(desc);
+        self.invalidate();
+        self.call(|tx| Cmd::Replays(idx, bytes, iters, tx))
     }
 
     /// Reads one of a variant's buffers (arena or io) as the last replay left it (f32 elements; u32 buffers such
@@ -870,6 +889,9 @@ impl Worker {
                 Cmd::Bench(i, d, iters, tx) => {
                     let _ = tx.send(self.bench(i, &d, iters));
                 }
+                Cmd::Replays(i, d, iters, tx) => {
+                    let _ = tx.send(self.replays(i, &d, iters));
+                }
             }
         }
     }
@@ -1183,31 +1205,43 @@ impl Worker {
         }
     }
 
-    fn bench(&mut self, i: usize, d: &[u8], iters: u32) -> Result<BenchResult, BackendError> {
+    /// Milliseconds `f`'s work takes on the stream, between two events of `ev`.
+    fn timed(
+        &self,
+        ev: &(Event, Event),
+        f: &dyn Fn(&Self) -> Result<(), BackendError>,
+    ) -> Result<f32, BackendError> {
+        // SAFETY: events and stream are valid.
+        unsafe {
+            result::event::record(ev.0 .0, self.cu()).map_err(dev_err("event"))?;
+            f(self)?;
+            result::event::record(ev.1 .0, self.cu()).map_err(dev_err("event"))?;
+            result::event::synchronize(ev.1 .0).map_err(dev_err("event"))?;
+            result::event::elapsed(ev.0 .0, ev.1 .0).map_err(dev_err("event"))
+        }
+    }
+
+    /// Median of `iters` timed replays of variant `i` with descriptor `d`, after 5 untimed ones, microseconds.
+    fn replays(&mut self, i: usize, d: &[u8], iters: u32) -> Result<f64, BackendError> {
         self.capture(i)?;
         self.upload_desc(d)?;
         self.sync()?;
-        let (ev0, ev1) = (Event::new()?, Event::new()?);
-        let (e0, e1) = (ev0.0, ev1.0);
-        let time = |this: &Self, f: &dyn Fn(&Self) -> Result<(), BackendError>| {
-            // SAFETY: events and stream are valid.
-            unsafe {
-                result::event::record(e0, this.cu()).map_err(dev_err("event"))?;
-                f(this)?;
-                result::event::record(e1, this.cu()).map_err(dev_err("event"))?;
-                result::event::synchronize(e1).map_err(dev_err("event"))?;
-                result::event::elapsed(e0, e1).map_err(dev_err("event"))
-            }
-        };
+        let ev = (Event::new()?, Event::new()?);
         // Replays keep re-running the same round (state commits repeat on the same positions: same work).
         for _ in 0..5 {
-            time(self, &|t| t.replay(i))?;
+            self.timed(&ev, &|t| t.replay(i))?;
         }
         let mut ts: Vec<f64> = (0..iters.max(1))
-            .map(|_| time(self, &|t| t.replay(i)).map(|ms| ms as f64 * 1e3))
+            .map(|_| self.timed(&ev, &|t| t.replay(i)).map(|ms| ms as f64 * 1e3))
             .collect::<Result<_, _>>()?;
         ts.sort_by(|a, b| a.total_cmp(b));
-        let median_us = ts[ts.len() / 2];
+        Ok(ts[ts.len() / 2])
+    }
+
+    fn bench(&mut self, i: usize, d: &[u8], iters: u32) -> Result<BenchResult, BackendError> {
+        let median_us = self.replays(i, d, iters)?;
+        let ev = (Event::new()?, Event::new()?);
+        let time = |this: &Self, f: &dyn Fn(&Self) -> Result<(), BackendError>| this.timed(&ev, f);
         let specs = self.specs(i)?;
         let mut per: BTreeMap<String, f64> = BTreeMap::new();
         let mut nodes_us = Vec::with_capacity(specs.len());
