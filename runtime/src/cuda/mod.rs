@@ -1,4 +1,4 @@
-//! The CUDA backend (`architecture.md`, "Backends"): one GPU thread owns the context, the stream, the device
+//! The CUDA backend (`architecture.md`, "Backends"): one GPU thread owns the context, the streams, the device
 //! memory and the graphs (`CudaGraph` is not `Send`); the [`CudaBackend`] handle talks to it through channels, so
 //! it is `Send` like every [`Backend`].
 //!
@@ -7,9 +7,14 @@
 //!   kept as MXFP8 codes and scales for `linear_mxfp8` (`weights.rs`).
 //! - Activations (arena, io buffers) are f32 with the plan's layout; per-slot state is f32 for every piece
 //!   (`slot_elems * 4` bytes per slot at the pieces' element offsets; BF16 caches are a later step).
-//! - All memory (weights, arena, io, slots, round descriptor, scratch, RoPE table, pinned staging) is allocated
-//!   before any capture. Each variant is captured on first use on a non-default stream in thread-local capture
-//!   mode and instantiated; the round descriptor is copied into its fixed device buffer before every replay.
+//! - All memory (weights, arena, io, slots, round descriptor, scratch, side scratch and side arena, RoPE table,
+//!   pinned staging) is allocated before any capture. Each variant is captured on first use on a non-default stream
+//!   in thread-local capture mode and instantiated; the round descriptor is copied into its fixed device buffer
+//!   before every replay.
+//! - Side branch: launches that do not depend on the main chain's recent work (a MoE layer's shared expert, the PLE
+//!   embedding and projections) are captured on a second stream, forked from the main stream with an event and
+//!   joined with another before the first launch that reads their results (`launch::LaunchSpec::side`), so the
+//!   graph runs them beside the main chain.
 //! - Io buffers are read back through pinned host memory allocated with flags 0 (not write-combined), on demand.
 //! - A missing GPU or driver, or a plan for another arch or other kernel sources, is an error, never a panic.
 
