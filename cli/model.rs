@@ -280,6 +280,12 @@ pub fn load(a: &ModelArgs) -> anyhow::Result<Loaded> {
         confidence: a.confidence,
         ..engine_options(a.parallel, a.max_depth)?
     };
+    anyhow::ensure!(
+        a.model.is_dir(),
+        "--model {}: no such model directory (expected a Hugging Face model directory: config.json, the \
+         safetensors, tokenizer.json)",
+        a.model.display()
+    );
     let mut copts = flashplan_compiler::default_options(flashplan_compiler::default_arch());
     copts.context = a.context;
     copts.max_depth = a.max_depth.max(1);

@@ -59,3 +59,24 @@ fn unknown_cuda_switch_value_refuses_to_start_on_any_backend() {
         );
     }
 }
+
+#[test]
+fn a_missing_model_directory_is_named() {
+    let missing = tempfile::tempdir()
+        .expect("tempdir")
+        .path()
+        .join("no-such-model");
+    let out = Command::new(env!("CARGO_BIN_EXE_flashplan"))
+        .args(["run", "--prompt", "hi", "--model"])
+        .arg(&missing)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("FLASHPLAN_BACKEND", "cpu")
+        .output()
+        .expect("runs flashplan run");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("no such model directory") && stderr.contains("no-such-model"),
+        "{stderr}"
+    );
+}

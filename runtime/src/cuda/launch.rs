@@ -43,9 +43,12 @@ pub(crate) struct Addrs<'a> {
 /// `side`: specs launched in order on the worker's side stream, forked from the main stream just before this spec's
 /// first launch (they depend on every earlier launch, and nothing on the main stream waits for them until a
 /// `join_before`; the side stream runs its branches in capture order).
-/// `join_before`: the main stream waits for the side branch before this spec's launch number `join_before` (0: the
-/// kernel, `k`: `then[k - 1]`). A variant's graph is captured with the branch ([`branch_shared_experts`]); the
-/// per-node benchmark graphs run the side launches in line, before the spec's own.
+/// `join_before`: the main stream waits for everything captured on the side stream so far before this spec's launch
+/// number `join_before` (0: the kernel, `k`: `then[k - 1]`). A variant's graph is captured with the branches
+/// ([`branch_shared_experts`], [`branch_ple_prep`]); the per-node benchmark graphs run the side launches in line,
+/// before the spec's own. One side stream and one side scratch serve every branch: the side stream runs its
+/// launches in capture order, so a later branch (layer 0's shared expert) queues behind an earlier one (the PLE
+/// prep), and a join waits for both.
 pub(crate) struct LaunchSpec {
     pub kernel: &'static str,
     pub params: Vec<u8>,
@@ -510,16 +513,17 @@ pub(crate) fn specs(
     if a.fuse_small {
         fuse_hc_norm(a, v, &mut out)?;
     }
+    for (sp, n) in out.iter_mut().zip(&v.nodes) {
+        if commit_in_window_one(v, &n.op) {
+            *sp = None;
+        }
+    }
+    // Last, so no later pass drops a spec that forks or joins a branch.
     if a.side_scratch != 0 {
         if a.side_arena != 0 {
             branch_ple_prep(a, v, &mut out)?;
         }
         branch_shared_experts(a, v, &mut out)?;
-    }
-    for (sp, n) in out.iter_mut().zip(&v.nodes) {
-        if commit_in_window_one(v, &n.op) {
-            *sp = None;
-        }
     }
     Ok(out)
 }
@@ -901,6 +905,14 @@ fn ple_preps(v: &Variant) -> Vec<PlePrep> {
     preps
 }
 
+/// The buffers [`branch_ple_prep`] may move to the side arena (a variant's PLE embeddings and projections).
+pub(crate) fn side_arena_buffers(v: &Variant) -> Vec<BufId> {
+    ple_preps(v)
+        .iter()
+        .flat_map(|p| p.bufs.iter().map(|&(b, _)| b))
+        .collect()
+}
+
 /// Side arena elements a variant needs ([`branch_ple_prep`]).
 pub(crate) fn side_arena_elems(v: &Variant) -> u64 {
     ple_preps(v).iter().map(|p| p.elems).sum()
@@ -908,25 +920,47 @@ pub(crate) fn side_arena_elems(v: &Variant) -> u64 {
 
 /// The PLE layers' n-gram embedding and projections on the side branch: they read only the window's tokens, the
 /// n-gram history and weights (the compiler emits them before layer 0), so their launches fork onto the side
-/// stream at the next node and run beside the first layers; the `PleMix` that reads their outputs waits for them.
-/// Their buffers move from the arena (where the nodes in between may reuse the embedding's place) to the side arena
-/// (`Addrs::side_arena`, only these launches and the `PleMix` see the new addresses), and the linears' row splits
-/// to the side scratch, so nothing on the main stream touches what they read or write.
+/// stream at the next node (after the last of several consecutive PLE preps) and run beside layer 0 (its shared
+/// expert queues behind them on the side stream, so its `experts_down` also waits for them); the `PleMix` that
+/// reads their outputs waits for them. Their buffers move from the arena (where the nodes in between may reuse the
+/// embedding's place) to the side arena (`Addrs::side_arena`, only these launches and the `PleMix` see the new
+/// addresses; a prep whose buffers another node touches stays on the main stream), and the linears' row splits to
+/// the side scratch, so nothing on the main stream touches what they read or write.
 fn branch_ple_prep(
     a: &Addrs,
     v: &Variant,
     out: &mut [Option<LaunchSpec>],
 ) -> Result<(), BackendError> {
     let mut base = a.side_arena;
-    for p in ple_preps(v) {
+    let preps = ple_preps(v);
+    // Launches of preps that follow each other (several PLE layers) wait for the fork of the last one's next node.
+    let mut pending: Vec<LaunchSpec> = Vec::new();
+    for (q, p) in preps.iter().enumerate() {
         let (i, j, m) = (p.i, p.j, p.m);
-        if out[j].is_none()
+        let chained = preps.get(q + 1).is_some_and(|n| n.i == j);
+        // The moved buffers must be touched only by the prep's nodes and its ple_mix.
+        let elsewhere = v.nodes.iter().enumerate().any(|(k, n)| {
+            !(i..j).contains(&k)
+                && k != m
+                && n.op
+                    .reads()
+                    .into_iter()
+                    .chain(n.op.writes())
+                    .any(|b| p.bufs.iter().any(|&(mb, _)| mb == b))
+        });
+        if (!chained && out[j].is_none())
             || out[m].is_none()
+            || elsewhere
             || out[i..j]
                 .iter()
                 .flatten()
                 .any(|s| !s.side.is_empty() || s.join_before.is_some())
         {
+            // Launches kept from preps before it stay where they were: put them back in line here is not
+            // possible, so they go to this prep's first node instead (still before everything that reads them).
+            if let (false, Some(s)) = (pending.is_empty(), out[i].as_mut()) {
+                s.side.append(&mut pending);
+            }
             continue;
         }
         let moved: Vec<(BufId, u64)> = p.bufs.iter().map(|&(b, o)| (b, base + 4 * o)).collect();
@@ -965,8 +999,11 @@ fn branch_ple_prep(
         for s in &mut out[i..j] {
             *s = None;
         }
-        if let Some(s) = out[j].as_mut() {
-            s.side = launches;
+        pending.append(&mut launches);
+        if !chained {
+            if let Some(s) = out[j].as_mut() {
+                s.side.append(&mut pending);
+            }
         }
         out[m] = Some(mix);
     }
@@ -1784,6 +1821,87 @@ mod tests {
             );
         }
         assert!(seen > 0, "the tiny plan has a PLE layer");
+    }
+
+    #[test]
+    fn two_ple_layers_share_one_fork_and_each_ple_mix_joins() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tiny-text");
+        let text = std::fs::read_to_string(dir.join("config.json")).expect("config.json");
+        let mut json: serde_json::Value = serde_json::from_str(&text).expect("json");
+        json["ple_layer_ids"] = serde_json::json!([2, 3]);
+        let cfg =
+            flashplan_plan::ModelConfig::from_json_str(&json.to_string()).expect("config parses");
+        let opts = flashplan_plan::CompileOptions {
+            arch: "cpu".into(),
+            max_depth: 1,
+            streams: vec![1],
+            context: 64,
+            prefill_chunk: 8,
+        };
+        let body = flashplan_compiler::compile(&cfg, &opts, &Default::default(), "test", |_, _| {})
+            .expect("compiles")
+            .body;
+        let weights: Vec<u64> = (0..body.weights.len() as u64)
+            .map(|i| 0x1000_0000 + (i << 20))
+            .collect();
+        let scales = vec![0u64; weights.len()];
+        let rope = Rope::new(&body.config);
+        let io = |_: flashplan_plan::IoBuf| 0x2000_0000u64;
+        let mut seen = 0;
+        for v in &body.variants {
+            let preps = ple_preps(v);
+            if preps.is_empty() {
+                continue;
+            }
+            let (nstreams, window) = v.kind.shape();
+            let a = Addrs {
+                body: &body,
+                arena: 0x3000_0000,
+                io: &io,
+                weights: &weights,
+                mxfp8_scales: &scales,
+                common: FpCommon {
+                    nstreams,
+                    window,
+                    ..Default::default()
+                },
+                rope: 0x4000_0000,
+                rope_cfg: &rope,
+                counters: 0x5000_0000,
+                fuse_small: true,
+                side_scratch: SIDE_SCRATCH,
+                side_arena: SIDE_ARENA,
+                moved: &[],
+            };
+            let sp = specs(&a, v, true).expect("specs");
+            seen += 1;
+            assert_eq!(preps.len(), 2, "{}", v.kind.name());
+            assert_eq!(preps[1].i, preps[0].j, "the two preps follow each other");
+            let fork = sp[preps[1].j].as_ref().expect("the node after both preps");
+            let kernels: Vec<&str> = fork.side.iter().map(|s| s.kernel).collect();
+            assert_eq!(kernels.len(), 4, "{}: {kernels:?}", v.kind.name());
+            assert_eq!((kernels[0], kernels[2]), ("ple_embed", "ple_embed"));
+            assert!(sp[preps[0].i..preps[1].j].iter().all(|s| s.is_none()));
+            let mut outs = Vec::new();
+            for p in &preps {
+                let mix = sp[p.m].as_ref().expect("ple_mix");
+                assert_eq!(mix.join_before, Some(0));
+                let x: FpPleMix = params_of(mix);
+                outs.extend([x.key, x.value]);
+            }
+            outs.sort_unstable();
+            outs.dedup();
+            assert_eq!(
+                outs.len(),
+                4,
+                "{}: distinct side-arena places",
+                v.kind.name()
+            );
+            assert!(outs
+                .iter()
+                .all(|&o| o >= SIDE_ARENA && o < SIDE_ARENA + 4 * side_arena_elems(v)));
+        }
+        assert!(seen > 0);
     }
 
     #[test]

@@ -151,7 +151,10 @@ pub struct BenchResult {
     pub kernels_us: Vec<(String, f64)>,
     /// Each node's in-graph time (best of three graph replays, per copy), microseconds, in node order. A run of
     /// sibling linears launched as one `linear_multi` (`FLASHPLAN_FUSE_LINEAR`) has the fused launch's time at its
-    /// first node and 0 at the others.
+    /// first node and 0 at the others. A node whose launches fork a side branch (`launch::LaunchSpec::side`) is
+    /// timed with the side launches in line (in `kernels_us` they count under their own kernel), and the nodes whose
+    /// work moved onto the branch have 0: the sum of the nodes then exceeds what the graph, which overlaps the
+    /// branch with the main chain, takes.
     pub nodes_us: Vec<f64>,
 }
 
@@ -617,7 +620,8 @@ struct Worker {
     slots: DevBuf,
     desc: DevBuf,
     scratch: DevBuf,
-    /// The side branch's scratch (`launch::side_scratch_elems`); `None` when no node runs on the side branch.
+    /// The side branch's scratch (`launch::side_scratch_elems`: the most any shared expert, linear or PLE embedding
+    /// of any variant needs); `None` when the plans have none of those nodes.
     side_scratch: Option<DevBuf>,
     /// The side arena (`launch::side_arena_elems`): the PLE branch's buffers; `None` without a PLE branch.
     side_arena: Option<DevBuf>,
@@ -945,7 +949,7 @@ impl Worker {
     }
 
     /// The launches of `sp` on the main stream; with `branches`, its side launches on the side stream (forked
-    /// here, joined before launch `join_before`: `launch::LaunchSpec`), else in line before its own. Graph capture
+    /// here; a later spec's `join_before` joins them: `launch::LaunchSpec`), else in line before its own. Graph capture
     /// only (a wait on the join event outside a capture would wait for a stale record).
     fn launch(&self, sp: &launch::LaunchSpec, branches: bool) -> Result<(), BackendError> {
         let (main, side) = (self.cu(), self.side.cu_stream());
@@ -1141,6 +1145,12 @@ impl Worker {
     fn read_buf(&self, i: usize, b: flashplan_plan::BufId) -> Result<Vec<f32>, BackendError> {
         let v = &self.body.variants[i];
         let d = v.buf(b);
+        if self.side_arena.is_some() && launch::side_arena_buffers(v).contains(&b) {
+            return Err(BackendError::BadDescriptor(format!(
+                "buffer {} lives in the side arena while the graph runs (the PLE branch), not at its plan address",
+                d.name
+            )));
+        }
         let base = match d.space {
             flashplan_plan::Space::Arena => self.arena.ptr,
             flashplan_plan::Space::Io(io) => self.io[&io].ptr,
@@ -1280,7 +1290,7 @@ impl Worker {
                 *per.entry(side.name()).or_default() += t;
                 side_us += t;
             }
-            *per.entry(sp.name()).or_default() += best - side_us;
+            *per.entry(sp.name()).or_default() += (best - side_us).max(0.0);
             nodes_us.push(best);
         }
         let mut kernels_us: Vec<(String, f64)> = per.into_iter().collect();
