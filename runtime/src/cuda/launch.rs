@@ -933,12 +933,16 @@ fn branch_ple_prep(
 ) -> Result<(), BackendError> {
     let mut base = a.side_arena;
     let preps = ple_preps(v);
-    // Launches of preps that follow each other (several PLE layers) wait for the fork of the last one's next node.
-    let mut pending: Vec<LaunchSpec> = Vec::new();
-    for (q, p) in preps.iter().enumerate() {
+    // Which preps branch, from the last back: a prep's buffers must be touched only by its nodes and its ple_mix,
+    // its nodes must not already fork or join, and its launches fork at the next node, or with the next prep's when
+    // that one follows right after it and branches too (several PLE layers: one fork after the last).
+    let mut take = vec![false; preps.len()];
+    let mut chained = vec![false; preps.len()];
+    // The node each prep's launches fork at (the last of a chain's next node): its ple_mix must come after it.
+    let mut fork_at = vec![0; preps.len()];
+    for q in (0..preps.len()).rev() {
+        let p = &preps[q];
         let (i, j, m) = (p.i, p.j, p.m);
-        let chained = preps.get(q + 1).is_some_and(|n| n.i == j);
-        // The moved buffers must be touched only by the prep's nodes and its ple_mix.
         let elsewhere = v.nodes.iter().enumerate().any(|(k, n)| {
             !(i..j).contains(&k)
                 && k != m
@@ -948,21 +952,24 @@ fn branch_ple_prep(
                     .chain(n.op.writes())
                     .any(|b| p.bufs.iter().any(|&(mb, _)| mb == b))
         });
-        if (!chained && out[j].is_none())
-            || out[m].is_none()
-            || elsewhere
-            || out[i..j]
+        chained[q] = preps.get(q + 1).is_some_and(|n| n.i == j) && take.get(q + 1) == Some(&true);
+        fork_at[q] = if chained[q] { fork_at[q + 1] } else { j };
+        take[q] = !elsewhere
+            && m > fork_at[q]
+            && out[m].is_some()
+            && (chained[q] || out[j].is_some())
+            && !out[i..j]
                 .iter()
                 .flatten()
-                .any(|s| !s.side.is_empty() || s.join_before.is_some())
-        {
-            // Launches kept from preps before it stay where they were: put them back in line here is not
-            // possible, so they go to this prep's first node instead (still before everything that reads them).
-            if let (false, Some(s)) = (pending.is_empty(), out[i].as_mut()) {
-                s.side.append(&mut pending);
-            }
+                .any(|s| !s.side.is_empty() || s.join_before.is_some());
+    }
+    let mut pending: Vec<LaunchSpec> = Vec::new();
+    for (q, p) in preps.iter().enumerate() {
+        let (i, j, m) = (p.i, p.j, p.m);
+        if !take[q] {
             continue;
         }
+        let chained = chained[q];
         let moved: Vec<(BufId, u64)> = p.bufs.iter().map(|&(b, o)| (b, base + 4 * o)).collect();
         base += 4 * p.elems;
         let side = Addrs {
