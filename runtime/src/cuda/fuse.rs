@@ -114,9 +114,16 @@ pub(super) mod tests {
 
     /// CPU plans of the tiny fixture (layers 0-2 GDN, layer 3 attention); also used by `launch`'s tests.
     pub(in crate::cuda) fn tiny_plan() -> PlanBody {
+        tiny_plan_with(|_| {})
+    }
+
+    /// [`tiny_plan`] of the fixture's config after `edit` (its JSON).
+    pub(in crate::cuda) fn tiny_plan_with(edit: impl FnOnce(&mut serde_json::Value)) -> PlanBody {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tiny-text");
         let text = std::fs::read_to_string(dir.join("config.json")).expect("config.json");
-        let cfg = ModelConfig::from_json_str(&text).expect("config parses");
+        let mut json: serde_json::Value = serde_json::from_str(&text).expect("json");
+        edit(&mut json);
+        let cfg = ModelConfig::from_json_str(&json.to_string()).expect("config parses");
         let opts = CompileOptions {
             arch: "cpu".into(),
             max_depth: 2,

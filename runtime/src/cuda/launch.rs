@@ -1680,7 +1680,16 @@ mod tests {
         fuse_small: bool,
         side_scratch: u64,
     ) -> Vec<(Variant, Vec<Option<LaunchSpec>>)> {
-        let body = super::fuse::tests::tiny_plan();
+        specs_of(&super::fuse::tests::tiny_plan(), fuse_small, side_scratch)
+    }
+
+    /// The launch specs of every variant of `body`, with made-up device addresses; the side arena is there with
+    /// the side scratch.
+    fn specs_of(
+        body: &PlanBody,
+        fuse_small: bool,
+        side_scratch: u64,
+    ) -> Vec<(Variant, Vec<Option<LaunchSpec>>)> {
         let weights: Vec<u64> = (0..body.weights.len() as u64)
             .map(|i| 0x1000_0000 + (i << 20))
             .collect();
@@ -1692,7 +1701,7 @@ mod tests {
             .map(|v| {
                 let (nstreams, window) = v.kind.shape();
                 let a = Addrs {
-                    body: &body,
+                    body,
                     arena: 0x3000_0000,
                     io: &io,
                     weights: &weights,
@@ -1832,55 +1841,15 @@ mod tests {
 
     #[test]
     fn two_ple_layers_share_one_fork_and_each_ple_mix_joins() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tiny-text");
-        let text = std::fs::read_to_string(dir.join("config.json")).expect("config.json");
-        let mut json: serde_json::Value = serde_json::from_str(&text).expect("json");
-        json["ple_layer_ids"] = serde_json::json!([2, 3]);
-        let cfg =
-            flashplan_plan::ModelConfig::from_json_str(&json.to_string()).expect("config parses");
-        let opts = flashplan_plan::CompileOptions {
-            arch: "cpu".into(),
-            max_depth: 1,
-            streams: vec![1],
-            context: 64,
-            prefill_chunk: 8,
-        };
-        let body = flashplan_compiler::compile(&cfg, &opts, &Default::default(), "test", |_, _| {})
-            .expect("compiles")
-            .body;
-        let weights: Vec<u64> = (0..body.weights.len() as u64)
-            .map(|i| 0x1000_0000 + (i << 20))
-            .collect();
-        let scales = vec![0u64; weights.len()];
-        let rope = Rope::new(&body.config);
-        let io = |_: flashplan_plan::IoBuf| 0x2000_0000u64;
+        let body = super::fuse::tests::tiny_plan_with(|json| {
+            json["ple_layer_ids"] = serde_json::json!([2, 3]);
+        });
         let mut seen = 0;
-        for v in &body.variants {
+        for (v, sp) in &specs_of(&body, true, SIDE_SCRATCH) {
             let preps = ple_preps(v);
             if preps.is_empty() {
                 continue;
             }
-            let (nstreams, window) = v.kind.shape();
-            let a = Addrs {
-                body: &body,
-                arena: 0x3000_0000,
-                io: &io,
-                weights: &weights,
-                mxfp8_scales: &scales,
-                common: FpCommon {
-                    nstreams,
-                    window,
-                    ..Default::default()
-                },
-                rope: 0x4000_0000,
-                rope_cfg: &rope,
-                counters: 0x5000_0000,
-                fuse_small: true,
-                side_scratch: SIDE_SCRATCH,
-                side_arena: SIDE_ARENA,
-                moved: &[],
-            };
-            let sp = specs(&a, v, true).expect("specs");
             seen += 1;
             assert_eq!(preps.len(), 2, "{}", v.kind.name());
             assert_eq!(preps[1].i, preps[0].j, "the two preps follow each other");
