@@ -798,22 +798,16 @@ impl Worker {
         let desc_bytes = body.io.max_streams as usize * std::mem::size_of::<FpStream>()
             + body.io.max_rows as usize * 4;
         let desc = DevBuf::new(desc_bytes)?;
-        let mut scratch = 0u64;
+        let (mut scratch, mut side_elems) = (0u64, 0u64);
         for v in &body.variants {
             let (s, w) = v.kind.shape();
             for n in &v.nodes {
                 scratch = scratch.max(launch::scratch_elems(&body, &n.op, (s * w) as u64));
-            }
-        }
-        let scratch = DevBuf::new(scratch as usize * 4)?;
-        let mut side_elems = 0u64;
-        for v in &body.variants {
-            let (s, w) = v.kind.shape();
-            for n in &v.nodes {
                 side_elems =
                     side_elems.max(launch::side_scratch_elems(&body, &n.op, (s * w) as u64));
             }
         }
+        let scratch = DevBuf::new(scratch as usize * 4)?;
         let side_scratch = match side_elems {
             0 => None,
             n => Some(DevBuf::new(n as usize * 4)?),
@@ -966,55 +960,53 @@ impl Worker {
                     .map_err(dev_err("fork"))?;
                 }
                 for s in &sp.side {
-                    self.launch_on(s, side, false)?;
+                    self.launch_on(s, side, false, None)?;
                 }
                 // SAFETY: as above.
                 unsafe { result::event::record(self.join.0, side) }.map_err(dev_err("join"))?;
             } else {
                 for s in &sp.side {
-                    self.launch_on(s, main, self.pdl)?;
+                    self.launch_on(s, main, self.pdl, None)?;
                 }
             }
         }
+        let join = if branches { sp.join_before } else { None };
+        self.launch_on(sp, main, self.pdl, join)
+    }
+
+    /// Every launch of `sp` (not its side launches) on `stream`, with `pdl` as programmatic dependent launches;
+    /// `join`: before that launch (0: the kernel, `k`: `then[k - 1]`) the stream waits for the side branch's join
+    /// event, and that launch is a plain one.
+    fn launch_on(
+        &self,
+        sp: &launch::LaunchSpec,
+        stream: sys::CUstream,
+        pdl: bool,
+        join: Option<usize>,
+    ) -> Result<(), BackendError> {
         let mut params = sp.params.clone();
         let mut args = [params.as_mut_ptr() as *mut c_void];
         let launches = std::iter::once((sp.kernel, sp.grid, sp.block))
             .chain(sp.then.iter().map(|&(k, g, b)| (k, g, (b, 1, 1))));
         for (n, (kernel, grid, block)) in launches.enumerate() {
-            let join = branches && sp.join_before == Some(n);
-            if join {
+            let joins = join == Some(n);
+            if joins {
                 // SAFETY: the join event was recorded on the side stream in this capture.
                 unsafe {
                     result::stream::wait_event(
-                        main,
+                        stream,
                         self.join.0,
                         sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
                     )
                 }
                 .map_err(dev_err("join"))?;
             }
-            self.launch_one(kernel, grid, block, &mut args, main, self.pdl && !join)?;
+            self.launch_one(kernel, grid, block, &mut args, stream, pdl && !joins)?;
         }
         Ok(())
     }
 
-    /// Every launch of `sp` (not its side launches) on `stream`.
-    fn launch_on(
-        &self,
-        sp: &launch::LaunchSpec,
-        stream: sys::CUstream,
-        pdl: bool,
-    ) -> Result<(), BackendError> {
-        let mut params = sp.params.clone();
-        let mut args = [params.as_mut_ptr() as *mut c_void];
-        self.launch_one(sp.kernel, sp.grid, sp.block, &mut args, stream, pdl)?;
-        for &(k2, grid, block) in &sp.then {
-            self.launch_one(k2, grid, (block, 1, 1), &mut args, stream, pdl)?;
-        }
-        Ok(())
-    }
-
-    /// One kernel launch on the worker's stream; with `pdl` as a programmatic dependent launch (the kernel may be
+    /// One kernel launch on `stream`; with `pdl` as a programmatic dependent launch (the kernel may be
     /// scheduled while the previous one finishes; every kernel waits for it in `pdl_start`, `kernels/common.cuh`).
     fn launch_one(
         &self,
