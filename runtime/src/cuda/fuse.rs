@@ -213,15 +213,19 @@ pub(super) mod tests {
                 continue;
             }
             checked += 1;
-            let g0 = first_linear(v, 0);
-            assert!(groups.contains(&(g0..g0 + 4)), "{}", v.kind.name());
-            let ns: Vec<u32> = v.nodes[g0..g0 + 4]
-                .iter()
-                .map(|n| match n.op {
-                    Op::Linear { n, .. } => n,
-                    _ => 0,
-                })
-                .collect();
+            // The output sizes of the 4 linears fused from the layer's first, which must be one launch.
+            let fused_ns = |layer: u32| -> Vec<u32> {
+                let g = first_linear(v, layer);
+                assert!(groups.contains(&(g..g + 4)), "{}", v.kind.name());
+                v.nodes[g..g + 4]
+                    .iter()
+                    .map(|n| match n.op {
+                        Op::Linear { n, .. } => n,
+                        _ => 0,
+                    })
+                    .collect()
+            };
+            let ns = fused_ns(0);
             let c = &body.config;
             let hv = c.linear_num_value_heads;
             assert_eq!(
@@ -230,15 +234,7 @@ pub(super) mod tests {
             );
             // Attention layer 3: q, k, v and the indexer's qk projection (compiler/src/graph.rs emits it right
             // after v).
-            let a3 = first_linear(v, 3);
-            assert!(groups.contains(&(a3..a3 + 4)), "{}", v.kind.name());
-            let ns: Vec<u32> = v.nodes[a3..a3 + 4]
-                .iter()
-                .map(|n| match n.op {
-                    Op::Linear { n, .. } => n,
-                    _ => 0,
-                })
-                .collect();
+            let ns = fused_ns(3);
             let kv = c.num_key_value_heads * c.head_dim;
             assert_eq!(
                 ns,
