@@ -144,7 +144,9 @@ struct LinearStore {
 
 // Steps s0 .. s1 of one m-tile against NT n-tiles of rows already split into their BF16 terms: xb[nt] is the lane's
 // three terms at step s0 (12 uint4 per step), in shared memory (SHARED: the lone row's `xs`) or in global memory
-// (linear_split_rows' scratch, read through __ldg). U steps of weight loads in flight, then their MMAs.
+// (linear_split_rows' scratch, read through __ldg). Batches of U steps: the batch's weight loads all in flight, then
+// its MMAs; a last batch of fewer than U steps also issues its loads at once (one memory latency, not one a step)
+// and runs only its own steps' MMAs, in the same order.
 template <int U, int NT, bool SHARED>
 DEV void tc_steps_split(float (&acc)[NT][3][4], const uint4* wp, u32 s0, u32 s1, const uint4* (&xb)[NT]) {
     u32 st = s0;
@@ -164,17 +166,27 @@ DEV void tc_steps_split(float (&acc)[NT][3][4], const uint4* wp, u32 s0, u32 s1,
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) xb[nt] += U * 12;
     }
-    for (; st < s1; st++) {
-        const uint4 w0 = ldg_stream16_l2pf(wp), w1 = ldg_stream16_l2pf(wp + 32);
+    if (st < s1) {
+        // The last batch of fewer than U steps: every load in flight at once, then its steps' MMAs.
+        const u32 left = s1 - st;
+        uint4 w0[U - 1], w1[U - 1];
 #pragma unroll
-        for (int nt = 0; nt < NT; nt++) {
-            const uint4* xp = xb[nt];
-            const uint4 xt[3] = {SHARED ? xp[0] : __ldg(xp), SHARED ? xp[1] : __ldg(xp + 1),
-                                 SHARED ? xp[2] : __ldg(xp + 2)};
-            tc_step_split(acc[nt], w0, w1, xt);
-            xb[nt] += 12;
+        for (int u = 0; u < U - 1; u++) {
+            const bool in = (u32)u < left;
+            w0[u] = in ? ldg_stream16_l2pf(wp + u * TC_TILE_U4) : zero4();
+            w1[u] = in ? ldg_stream16_l2pf(wp + u * TC_TILE_U4 + 32) : zero4();
         }
-        wp += TC_TILE_U4;
+#pragma unroll
+        for (int u = 0; u < U - 1; u++) {
+            if ((u32)u >= left) break;
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                const uint4* xp = xb[nt] + u * 12;
+                const uint4 xt[3] = {SHARED ? xp[0] : __ldg(xp), SHARED ? xp[1] : __ldg(xp + 1),
+                                     SHARED ? xp[2] : __ldg(xp + 2)};
+                tc_step_split(acc[nt], w0[u], w1[u], xt);
+            }
+        }
     }
 }
 
