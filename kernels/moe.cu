@@ -67,8 +67,8 @@ DEV bool topk_before(u32 key, u32 id, u32 bk, u32 bi) { return key > bk || (key 
 // router_topk's warp j. max: the largest logit, the value router_topk's block_max finds (a maximum does not depend
 // on the order it is taken in; only when every logit is NaN may the two differ, and then every p is NaN in both). z: warp_sum of each j (router_topk's warp trees), summed in j
 // order from 0.0f (block_sum; its warps past NE add exact zeros, omitted). p = expf(v - m) / z as there. Selection:
-// topk rounds of the lane-local best (key = bits of p, as router_topk's radix keys: p >= +0 orders as u32) then a
-// 5-step xor-shuffle argmax of (key, id), key descending, id ascending: the repeated argmax that router_topk's
+// topk rounds of the lane-local best (key = bits of p, as router_topk's radix keys: p >= +0 orders as u32) then the
+// warp's argmax of (key, id), key descending, id ascending (a max of the keys, then a min of the ids holding it): the repeated argmax that router_topk's
 // radix select and ranks give. Rank t is kept by lane t; weights p / (0.0f + p_0 + p_1 + ...) in rank order.
 template <int NE>
 DEV void router_topk_warp(const FpRouter& p, u32 r, u32 lane) {
@@ -107,14 +107,11 @@ DEV void router_topk_warp(const FpRouter& p, u32 r, u32 lane) {
                 bi = e;
             }
         }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const u32 ok = __shfl_xor_sync(FULL_MASK, bk, o), oi = __shfl_xor_sync(FULL_MASK, bi, o);
-            if (topk_before(ok, oi, bk, bi)) {
-                bk = ok;
-                bi = oi;
-            }
-        }
+        // The warp's best: the largest key, then the lowest id among the lanes holding it (each lane's candidate
+        // is its lowest id of its largest key), in two warp reductions (redux.sync) instead of a shuffle tree.
+        const u32 wk = __reduce_max_sync(FULL_MASK, bk);
+        bi = __reduce_min_sync(FULL_MASK, bk == wk ? bi : 0xffffffffu);
+        bk = wk;
         if (bi < E && (bi & 31u) == lane) taken |= 1u << (bi >> 5);
         if (t == lane) {
             my_id = bi;
