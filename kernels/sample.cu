@@ -284,6 +284,8 @@ DEV bool filtered_sampling(const FpStream& st, u32 vocab) {
 // lowest-id maximum, sum exp(l - m_z) (f64) and, for plain temperature, the Gumbel-max; into scratch
 // [items, SAMPLE_PARTS, 8 floats]: {max (f64), gumbel (f64), z (f64), argmax id, gumbel id}.
 #define SAMPLE_PARTS 64
+// Logits a thread of sample_part holds at once (in registers).
+#define SAMPLE_HELD 16
 struct SamplePart {
     double best, gb, z;
     u32 bi, gi;
@@ -307,20 +309,41 @@ extern "C" __global__ void sample_part(const FpSample p) {
         const FpStream& st = stream_of(c, s);
         if (filtered_sampling(st, p.vocab)) continue;  // phase 2 takes the whole row itself
         const float* lg = fptr(p.logits) + (u64)row * p.vocab;
+        // The thread's logits lo + threadIdx.x + j * blockDim.x in ascending j, SAMPLE_HELD of them loaded at once
+        // (one memory latency for the batch, not one a logit), then taken in that order.
         double best = -INFINITY;
         u32 bi = 0xffffffffu;
-        for (u32 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-            const float l = keyf(lg[i]);
-            if (l > -INFINITY && (bi == 0xffffffffu || (double)l > best)) {
-                best = l;
-                bi = i;
+        for (u32 b = lo + threadIdx.x; b < hi; b += SAMPLE_HELD * blockDim.x) {
+            float v[SAMPLE_HELD];
+#pragma unroll
+            for (int j = 0; j < SAMPLE_HELD; j++) {
+                const u32 i = b + j * blockDim.x;
+                v[j] = i < hi ? keyf(lg[i]) : -INFINITY;
+            }
+#pragma unroll
+            for (int j = 0; j < SAMPLE_HELD; j++) {
+                const float l = v[j];
+                if (l > -INFINITY && (bi == 0xffffffffu || (double)l > best)) {
+                    best = l;
+                    bi = b + j * blockDim.x;
+                }
             }
         }
         block_argmax(best, bi, shv, shi);
         const double m = bi == 0xffffffffu ? -INFINITY : best;
         double zz = 0.0;
         if (m > -INFINITY && m < INFINITY)
-            for (u32 i = lo + threadIdx.x; i < hi; i += blockDim.x) zz += exp((double)keyf(lg[i]) - m);
+            for (u32 b = lo + threadIdx.x; b < hi; b += SAMPLE_HELD * blockDim.x) {
+                float v[SAMPLE_HELD];
+#pragma unroll
+                for (int j = 0; j < SAMPLE_HELD; j++) {
+                    const u32 i = b + j * blockDim.x;
+                    v[j] = i < hi ? keyf(lg[i]) : 0.0f;
+                }
+#pragma unroll
+                for (int j = 0; j < SAMPLE_HELD; j++)
+                    if (b + j * blockDim.x < hi) zz += exp((double)v[j] - m);
+            }
         zz = block_sum_d(zz, shv);
         double gb = -INFINITY;
         u32 gi = 0xffffffffu;
@@ -359,6 +382,8 @@ extern "C" __global__ void sample(const FpSample p) {
     __shared__ SampleShared sh;
     __shared__ u32 tok_sh;
     __shared__ double maxl_sh, z_sh;
+    __shared__ SamplePart parts_sh[SAMPLE_PARTS];
+    __shared__ double ez_sh[SAMPLE_PARTS];
     const FpCommon& c = p.c;
     const u32 items = p.mode == 0 ? c.nstreams * c.window : c.nstreams;
     for (u32 it = blockIdx.x; it < items; it += gridDim.x) {
@@ -398,33 +423,46 @@ extern "C" __global__ void sample(const FpSample p) {
                 maxl_sh = maxl;
                 z_sh = z;
             }
-        } else if (threadIdx.x == 0) {
-            const SamplePart* pt = parts_of(p, it);
-            double best = -INFINITY, gb = -INFINITY;
-            u32 bi = 0xffffffffu, gi = 0xffffffffu;
-            for (u32 zi = 0; zi < SAMPLE_PARTS; zi++) {
-                const SamplePart q = pt[zi];
-                if (q.bi != 0xffffffffu && (bi == 0xffffffffu || q.best > best)) {
-                    best = q.best;
-                    bi = q.bi;
-                }
-                if (q.gi != 0xffffffffu && (gi == 0xffffffffu || q.gb > gb)) {
-                    gb = q.gb;
-                    gi = q.gi;
-                }
-            }
-            const float maxl = bi == 0xffffffffu ? -INFINITY : (float)best;
-            u32 tok = bi == 0xffffffffu ? 0 : bi;
-            if (plain_temperature(st) && maxl < INFINITY && maxl > -INFINITY && gi != 0xffffffffu) tok = gi;
-            double z = 0.0;
-            if (maxl > -INFINITY && maxl < INFINITY)
+        } else {
+            // The parts into shared memory at once (one memory latency), their exp(m_z - M) by one thread each; then
+            // one thread combines them in part order, as before.
+            if (threadIdx.x < SAMPLE_PARTS) parts_sh[threadIdx.x] = parts_of(p, it)[threadIdx.x];
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                const SamplePart* pt = parts_sh;
+                double best = -INFINITY, gb = -INFINITY;
+                u32 bi = 0xffffffffu, gi = 0xffffffffu;
                 for (u32 zi = 0; zi < SAMPLE_PARTS; zi++) {
                     const SamplePart q = pt[zi];
-                    if (q.bi != 0xffffffffu) z += q.z * exp(q.best - (double)maxl);
+                    if (q.bi != 0xffffffffu && (bi == 0xffffffffu || q.best > best)) {
+                        best = q.best;
+                        bi = q.bi;
+                    }
+                    if (q.gi != 0xffffffffu && (gi == 0xffffffffu || q.gb > gb)) {
+                        gb = q.gb;
+                        gi = q.gi;
+                    }
                 }
-            tok_sh = tok;
-            maxl_sh = maxl;
-            z_sh = z;
+                const float maxl = bi == 0xffffffffu ? -INFINITY : (float)best;
+                u32 tok = bi == 0xffffffffu ? 0 : bi;
+                if (plain_temperature(st) && maxl < INFINITY && maxl > -INFINITY && gi != 0xffffffffu) tok = gi;
+                tok_sh = tok;
+                maxl_sh = maxl;
+            }
+            __syncthreads();
+            const double maxl = maxl_sh;
+            const bool finite = maxl > -INFINITY && maxl < INFINITY;
+            if (finite && threadIdx.x < SAMPLE_PARTS) ez_sh[threadIdx.x] = exp(parts_sh[threadIdx.x].best - maxl);
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                double z = 0.0;
+                if (finite)
+                    for (u32 zi = 0; zi < SAMPLE_PARTS; zi++) {
+                        const SamplePart& q = parts_sh[zi];
+                        if (q.bi != 0xffffffffu) z += q.z * ez_sh[zi];
+                    }
+                z_sh = z;
+            }
         }
         __syncthreads();
         if (threadIdx.x == 0) {
