@@ -16,11 +16,24 @@ extern "C" __global__ void rms_norm(const FpRmsNorm p) {
         float* y = fptr(p.out) + (u64)r * p.dim;
         for (u32 g0 = 0; g0 < p.dim; g0 += p.group) {
             float ss = 0.0f;
-            for (u32 i = threadIdx.x; i < p.group; i += blockDim.x) ss += x[g0 + i] * x[g0 + i];
+            for (u32 i0 = threadIdx.x; i0 < p.group; i0 += blockDim.x * ROW_U) {
+                // ROW_U loads in flight, then the squares added in the same order as one element at a time.
+                float v[ROW_U];
+#pragma unroll
+                for (int u = 0; u < ROW_U; u++) {
+                    const u32 i = i0 + blockDim.x * u;
+                    v[u] = i < p.group ? x[g0 + i] : 0.0f;
+                }
+#pragma unroll
+                for (int u = 0; u < ROW_U; u++)
+                    if (i0 + blockDim.x * u < p.group) ss += v[u] * v[u];
+            }
             ss = block_sum(ss, sh);
             const float inv = 1.0f / sqrtf(ss / (float)p.group + p.eps);
-            for (u32 i = threadIdx.x; i < p.group; i += blockDim.x)
-                y[g0 + i] = x[g0 + i] * inv * (p.w ? 1.0f + bfw(p.w, g0 + i) : 1.0f);
+            // ROW_U values a thread loaded before it stores any (out may alias x: a plain loop would wait for
+            // each load after the previous store); the same product per element.
+            block_store_row(y + g0, p.group, 1, 0,
+                            [&](u32 i) { return x[g0 + i] * inv * (p.w ? 1.0f + bfw(p.w, g0 + i) : 1.0f); });
             __syncthreads();
         }
     }

@@ -1157,7 +1157,9 @@ pub(crate) fn spec(
                 width: *width,
                 b_width: *b_width,
             };
-            one("add_broadcast", bytes(&p), rows, 256)
+            // A block of 1024 threads: a row of the MTP's 4 x 2560 streams is 10 values a thread, one batch of
+            // loads (`block_store_row`) instead of three; elementwise, so the block size never changes a value.
+            one("add_broadcast", bytes(&p), rows, 1024)
         }
         Op::HcRead { .. } => hc_read_spec(a, v, op, true)?,
         Op::HcWrite { .. } => hc_write_spec(a, v, op, None)?,
