@@ -1162,7 +1162,7 @@ fn main() -> anyhow::Result<()> {
     }
     drop(be);
     if drafter_t {
-        drafter_table(&body, &mx, pos, iters)?;
+        drafter_table(&body, &mx, pos, iters, all_nodes)?;
     }
     Ok(())
 }
@@ -1170,7 +1170,13 @@ fn main() -> anyhow::Result<()> {
 /// Issue 8: one chained draft step per drafter form, on a backend holding only what the MTP steps read, built
 /// with `CudaBackend::new` from f32 host tensors (the loader's path: MXFP8 weights that only `Linear` nodes read
 /// are kept as MXFP8 codes and scales on the device, the rest as BF16).
-fn drafter_table(body: &Arc<PlanBody>, mx: &[bool], pos: u32, iters: u32) -> anyhow::Result<()> {
+fn drafter_table(
+    body: &Arc<PlanBody>,
+    mx: &[bool],
+    pos: u32,
+    iters: u32,
+    all_nodes: bool,
+) -> anyhow::Result<()> {
     let t0 = std::time::Instant::now();
     let w = drafter_weights(body)?;
     let total: usize = w.iter().flatten().map(|v| v.len() * 4).sum();
@@ -1204,6 +1210,7 @@ fn drafter_table(body: &Arc<PlanBody>, mx: &[bool], pos: u32, iters: u32) -> any
         .collect();
     let mut cache = BTreeMap::new();
     let mut base: Option<(f64, u64)> = None;
+    let mut kernels = Vec::new();
     for form in DrafterForm::ALL {
         be.write_io(flashplan_plan::IoBuf::MainStreams, 0, &row);
         let next = (mix(4242) % 200_000) as u32;
@@ -1244,6 +1251,29 @@ fn drafter_table(body: &Arc<PlanBody>, mx: &[bool], pos: u32, iters: u32) -> any
             t / tc,
             mb(DraftBytes::of(body, kind, Acct::Manifest).total(m.experts))
         );
+        kernels.push((kind, t, m.r.kernels_us.clone(), m.r.nodes_us.clone()));
+    }
+    // Where each form's step spends its time: the per-node times by kernel, the largest first.
+    for (kind, t, ks, nodes) in &kernels {
+        let sum: f64 = ks.iter().map(|(_, u)| u).sum();
+        println!(
+            "\n{}: kernels by time (CudaBackend::bench per-node times, summed over nodes; replay {t:.1} us)",
+            kind.name()
+        );
+        println!("| kernel | us | share of node time |");
+        println!("|---|---|---|");
+        for (k, u) in ks.iter().filter(|(_, u)| *u >= 1.0) {
+            println!("| {k} | {u:.1} | {:.1}% |", 100.0 * u / sum);
+        }
+        if all_nodes {
+            let v = body
+                .variant(*kind)
+                .ok_or_else(|| anyhow::anyhow!("no variant {}", kind.name()))?;
+            println!("nodes:");
+            for (i, (n, u)) in v.nodes.iter().zip(nodes).enumerate() {
+                println!("  {i:>3} {} {u:.1} us", n.op.kernel());
+            }
+        }
     }
     for ci in be.captures() {
         println!(
