@@ -147,21 +147,30 @@ struct LinearStore {
 // (linear_split_rows' scratch, read through __ldg). Batches of U steps: the batch's weight loads all in flight, then
 // its MMAs; a last batch of fewer than U steps also issues its loads at once (one memory latency, not one a step)
 // and runs only its own steps' MMAs, in the same order.
+// The MMAs of the first n (<= N) steps of a batch: w0, w1 the steps' weight fragments, xb[nt] the rows' terms at the
+// batch's first step (12 uint4 per step; SHARED: in shared memory, else read through __ldg).
+template <int N, int NT, bool SHARED>
+DEV void tc_batch_mmas(float (&acc)[NT][3][4], const uint4 (&w0)[N], const uint4 (&w1)[N], const uint4* const (&xb)[NT],
+                       u32 n) {
+#pragma unroll
+    for (int u = 0; u < N; u++) {
+        if ((u32)u >= n) break;
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            const uint4* xp = xb[nt] + u * 12;
+            const uint4 xt[3] = {SHARED ? xp[0] : __ldg(xp), SHARED ? xp[1] : __ldg(xp + 1),
+                                 SHARED ? xp[2] : __ldg(xp + 2)};
+            tc_step_split(acc[nt], w0[u], w1[u], xt);
+        }
+    }
+}
 template <int U, int NT, bool SHARED>
 DEV void tc_steps_split(float (&acc)[NT][3][4], const uint4* wp, u32 s0, u32 s1, const uint4* (&xb)[NT]) {
     u32 st = s0;
     for (; st + U <= s1; st += U) {
         uint4 w0[U], w1[U];
         tc_load_tiles<U>(w0, w1, wp);
-#pragma unroll
-        for (int u = 0; u < U; u++)
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++) {
-                const uint4* xp = xb[nt] + u * 12;
-                const uint4 xt[3] = {SHARED ? xp[0] : __ldg(xp), SHARED ? xp[1] : __ldg(xp + 1),
-                                     SHARED ? xp[2] : __ldg(xp + 2)};
-                tc_step_split(acc[nt], w0[u], w1[u], xt);
-            }
+        tc_batch_mmas<U, NT, SHARED>(acc, w0, w1, xb, U);
         wp += U * TC_TILE_U4;
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) xb[nt] += U * 12;
@@ -176,17 +185,7 @@ DEV void tc_steps_split(float (&acc)[NT][3][4], const uint4* wp, u32 s0, u32 s1,
             w0[u] = in ? ldg_stream16_l2pf(wp + u * TC_TILE_U4) : zero4();
             w1[u] = in ? ldg_stream16_l2pf(wp + u * TC_TILE_U4 + 32) : zero4();
         }
-#pragma unroll
-        for (int u = 0; u < U - 1; u++) {
-            if ((u32)u >= left) break;
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++) {
-                const uint4* xp = xb[nt] + u * 12;
-                const uint4 xt[3] = {SHARED ? xp[0] : __ldg(xp), SHARED ? xp[1] : __ldg(xp + 1),
-                                     SHARED ? xp[2] : __ldg(xp + 2)};
-                tc_step_split(acc[nt], w0[u], w1[u], xt);
-            }
-        }
+        tc_batch_mmas<U - 1, NT, SHARED>(acc, w0, w1, xb, left);
     }
 }
 
