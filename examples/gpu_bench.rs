@@ -1255,7 +1255,7 @@ fn drafter_table(
     }
     // Where each form's step spends its time: the per-node times by kernel, the largest first.
     for (kind, t, ks, nodes) in &kernels {
-        let sum: f64 = ks.iter().map(|(_, u)| u).sum();
+        let sum: f64 = nodes.iter().sum();
         println!(
             "\n{}: kernels by time (CudaBackend::bench per-node times, summed over nodes; replay {t:.1} us)",
             kind.name()

@@ -146,7 +146,8 @@ struct LinearStore {
 // three terms at step s0 (12 uint4 per step), in shared memory (SHARED: the lone row's `xs`) or in global memory
 // (linear_split_rows' scratch, read through __ldg). Batches of U steps: the batch's weight loads all in flight, then
 // its MMAs; a last batch of fewer than U steps also issues its loads at once (one memory latency, not one a step)
-// and runs only its own steps' MMAs, in the same order.
+// and runs only its own steps' MMAs, in the same order. On return xb is advanced past the full batches only (the
+// callers set it afresh for every call).
 // The MMAs of the first n (<= N) steps of a batch: w0, w1 the steps' weight fragments, xb[nt] the rows' terms at the
 // batch's first step (12 uint4 per step; SHARED: in shared memory, else read through __ldg).
 template <int N, int NT, bool SHARED>
@@ -166,6 +167,7 @@ DEV void tc_batch_mmas(float (&acc)[NT][3][4], const uint4 (&w0)[N], const uint4
 }
 template <int U, int NT, bool SHARED>
 DEV void tc_steps_split(float (&acc)[NT][3][4], const uint4* wp, u32 s0, u32 s1, const uint4* (&xb)[NT]) {
+    static_assert(U >= 2, "the last partial batch holds U - 1 steps");
     u32 st = s0;
     for (; st + U <= s1; st += U) {
         uint4 w0[U], w1[U];

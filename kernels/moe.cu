@@ -65,11 +65,12 @@ DEV bool topk_before(u32 key, u32 id, u32 bk, u32 bi) { return key > bk || (key 
 // The top-k of row r by one warp, bit for bit the values of router_topk (block of ROUTER_TOPK_THREADS threads,
 // thread e = expert e): lane l holds experts e = 32 j + l (j < NE, NE * 32 >= experts), so register j of the warp is
 // router_topk's warp j. max: the largest logit, the value router_topk's block_max finds (a maximum does not depend
-// on the order it is taken in; only when every logit is NaN may the two differ, and then every p is NaN in both). z: warp_sum of each j (router_topk's warp trees), summed in j
-// order from 0.0f (block_sum; its warps past NE add exact zeros, omitted). p = expf(v - m) / z as there. Selection:
-// topk rounds of the lane-local best (key = bits of p, as router_topk's radix keys: p >= +0 orders as u32) then the
-// warp's argmax of (key, id), key descending, id ascending (a max of the keys, then a min of the ids holding it): the repeated argmax that router_topk's
-// radix select and ranks give. Rank t is kept by lane t; weights p / (0.0f + p_0 + p_1 + ...) in rank order.
+// on the order it is taken in; only when every logit is NaN may the two differ, and then every p is NaN in both).
+// z: warp_sum of each j (router_topk's warp trees), summed in j order from 0.0f (block_sum; its warps past NE add
+// exact zeros, omitted). p = expf(v - m) / z as there. Selection: topk rounds of the lane-local best (key = bits of
+// p, as router_topk's radix keys: p >= +0 orders as u32) then the warp's argmax of (key, id), key descending, id
+// ascending (a max of the keys, then a min of the ids holding it): the repeated argmax that router_topk's radix
+// select and ranks give. Rank t is kept by lane t; weights p / (0.0f + p_0 + p_1 + ...) in rank order.
 template <int NE>
 DEV void router_topk_warp(const FpRouter& p, u32 r, u32 lane) {
     const u32 E = p.experts;

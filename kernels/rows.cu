@@ -43,7 +43,7 @@ extern "C" __global__ void last_rows(const FpLastRows p) {
     }
 }
 
-extern "C" __global__ void add_broadcast(const FpAddBroadcast p) {
+extern "C" __global__ void __launch_bounds__(1024) add_broadcast(const FpAddBroadcast p) {
     pdl_start();
     const FpCommon& c = p.c;
     const u32 R = c.nstreams * c.window;
