@@ -4,13 +4,16 @@
 #include "linear.cuh"
 
 // The tensor-core body (linear.cuh `linear_tc_rows`): K in S = `tc_split(k, n)` slices (from the weight's shape) (runtime/src/cuda/launch.rs),
-// one m-tile of 16 features per warp, U = 4 steps of 32 weights in flight per lane.
-template <int T>
+// one m-tile of 16 features per warp, U = 4 steps of 32 weights in flight per lane (8 in linear_t1_deep).
+template <int T, int U = 4>
 DEV void linear_entry(const FpLinear& p, u32 block, u32 nblocks) {
     const u32 total = linear_total(p.c, p.sub, p.gathered);
-    linear_tc_rows<T, 4>(p, total, block, nblocks, (const uint4*)p.c.scratch, LinearStore{});
+    linear_tc_rows<T, U>(p, total, block, nblocks, (const uint4*)p.c.scratch, LinearStore{});
 }
 extern "C" __global__ void __launch_bounds__(256, 3) linear_t1(const FpLinear p) { pdl_start(); linear_entry<1>(p, blockIdx.x, gridDim.x); }
+// One row with many steps a warp (the lm_head: runtime/src/cuda/launch.rs `linear_entry`): 8 steps of loads in
+// flight, two blocks an SM (the registers they need); the same arithmetic as linear_t1.
+extern "C" __global__ void __launch_bounds__(256, 2) linear_t1_deep(const FpLinear p) { pdl_start(); linear_entry<1, 8>(p, blockIdx.x, gridDim.x); }
 extern "C" __global__ void __launch_bounds__(256, 3) linear_t2(const FpLinear p) { pdl_start(); linear_entry<2>(p, blockIdx.x, gridDim.x); }
 extern "C" __global__ void linear_t4(const FpLinear p) { pdl_start(); linear_entry<4>(p, blockIdx.x, gridDim.x); }
 extern "C" __global__ void linear_t8(const FpLinear p) { pdl_start(); linear_entry<8>(p, blockIdx.x, gridDim.x); }

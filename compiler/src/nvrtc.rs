@@ -231,6 +231,7 @@ mod tests {
             "last_rows",
             "rms_norm",
             "linear_t1",
+            "linear_t1_deep",
             "linear_t16",
             "linear_multi_t1",
             "linear_multi_t2",

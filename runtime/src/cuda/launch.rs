@@ -416,6 +416,23 @@ fn linear_params(a: &Addrs, v: &Variant, op: &Op) -> Result<(FpLinear, u32, u32)
     Ok((p, total, per_block))
 }
 
+/// Steps of 32 inputs per warp from which a one-row `linear` keeps 8 steps of loads in flight
+/// (`linear_t1_deep`, two blocks an SM) instead of 4: the lm_head (2560 inputs in 2 slices: 40 steps). H200, the
+/// lm_head at one row: 304.5 -> 300.7 us, lone-w1 954 -> 949 us; the GDN projections (10 steps a warp) and the
+/// output projections (24) were slower with it (27.4 -> 29.3 us, 11.2 -> 11.7 us).
+const DEEP_STEPS: u32 = 32;
+
+/// The entry point of a `Linear` launch of `total` rows over `k` inputs in `split` slices: by row tile
+/// ([`LINEAR`]), and for one row with at least [`DEEP_STEPS`] steps a warp, `linear_t1_deep`. The same
+/// arithmetic either way (the steps in flight never change a value).
+fn linear_entry(total: u32, k: u32, split: u32) -> &'static str {
+    if total == 1 && k.div_ceil(32).div_ceil(split.max(1)) >= DEEP_STEPS {
+        "linear_t1_deep"
+    } else {
+        by_rows(LINEAR, total)
+    }
+}
+
 /// `linear_multi` entry points per row tile (kernels/linear.cu).
 const LINEAR_MULTI: ByRows = &[
     "linear_multi_t1",
@@ -1134,7 +1151,7 @@ pub(crate) fn spec(
                 Some(&scales) if scales != 0 => linear_mxfp8(&p, scales, total),
                 _ => with_split(
                     "linear_split",
-                    by_rows(LINEAR, total),
+                    linear_entry(total, p.k, p.split),
                     bytes(&p),
                     total,
                     p.k,
@@ -2066,5 +2083,18 @@ mod tests {
         // Long K: at most 40 steps per slice while there are blocks enough.
         assert_eq!(tc_split(8192, 1 << 20), 8);
         assert_eq!(tc_split(2560, 1 << 20), 2);
+    }
+
+    #[test]
+    fn only_a_one_row_linear_of_many_steps_a_warp_runs_deep() {
+        let entry = |rows, k, n| linear_entry(rows, k, tc_split(k, n));
+        // The lm_head at one row: 40 steps a warp.
+        assert_eq!(entry(1, 2560, 248_320), "linear_t1_deep");
+        // Its wider windows keep their row tiles.
+        assert_eq!(entry(2, 2560, 248_320), "linear_t2");
+        assert_eq!(entry(16, 2560, 248_320), "linear_t16");
+        // The GDN projections (10 steps a warp) and the output projections (24) stay at linear_t1.
+        assert_eq!(entry(1, 2560, 10_240), "linear_t1");
+        assert_eq!(entry(1, 6144, 2560), "linear_t1");
     }
 }
