@@ -7,8 +7,11 @@
 #      builds the release example gpu_bench and compiles the kernels into their own cubin cache, both into
 #      gpu-ab/NAME.tar.xz (gpu-ab/ is ignored by git through .git/info/exclude; about 1.6 MB per build).
 #   2. On the H200, through the device `run` tool, with carry ["gpu-ab"]:
-#                                                bash scripts/gpu_ab.sh run NAME [NAME ...]
-#      (the tree plus what travels must stay under the device copy limit: two builds at a time fit.)
+#                                                bash scripts/gpu_ab.sh run NAME[:MODE] [NAME[:MODE] ...]
+#      (the tree plus what travels must stay under the device copy limit: two builds at a time fit.) NAME:MODE runs
+#      build NAME with FLASHPLAN_AB=MODE, for a temporary switch in the code that picks between variants of one
+#      build (read it with std::env::var("FLASHPLAN_AB") and remove it before the commit); its outputs go to
+#      $OUT/NAME-MODE.PASS.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode="${1:-}"
@@ -32,25 +35,32 @@ pack)
     echo "now: run(command='bash scripts/gpu_ab.sh run A B', carry=['gpu-ab'])"
     ;;
 run)
-    [ "$#" -ge 1 ] || { echo "usage: $0 run NAME [NAME ...]" >&2; exit 2; }
+    [ "$#" -ge 1 ] || { echo "usage: $0 run NAME[:MODE] [NAME[:MODE] ...]" >&2; exit 2; }
     out="${OUT:-/tmp/gpu-ab-out}"
     mkdir -p "$out"
-    for name in "$@"; do tar xJf "gpu-ab/$name.tar.xz" -C /tmp; done
+    for arg in "$@"; do
+        name="${arg%%:*}"
+        [ -d "/tmp/$name" ] || tar xJf "gpu-ab/$name.tar.xz" -C /tmp
+    done
     for pass in 1 2; do
-        for name in "$@"; do
-            if ! FLASHPLAN_KERNEL_CACHE="/tmp/$name/kernels" "/tmp/$name/gpu-bench" --iters 100 --nodes \
-                >"$out/$name.$pass.txt" 2>&1; then
-                echo "$name failed:" >&2
-                tail -5 "$out/$name.$pass.txt" >&2
+        for arg in "$@"; do
+            name="${arg%%:*}"
+            mode=""
+            [ "$arg" != "$name" ] && mode="${arg#*:}"
+            tag="$name${mode:+-$mode}"
+            if ! env ${mode:+"FLASHPLAN_AB=$mode"} FLASHPLAN_KERNEL_CACHE="/tmp/$name/kernels" "/tmp/$name/gpu-bench" \
+                --iters 100 --nodes >"$out/$tag.$pass.txt" 2>&1; then
+                echo "$tag failed:" >&2
+                tail -5 "$out/$tag.$pass.txt" >&2
                 exit 1
             fi
-            echo "== $name, pass $pass (variant | rows | time/replay us | sum of nodes us)"
-            grep -E '^\| lone-w' "$out/$name.$pass.txt" | cut -d'|' -f2-5
+            echo "== $tag, pass $pass (variant | rows | time/replay us | sum of nodes us)"
+            grep -E '^\| lone-w' "$out/$tag.$pass.txt" | cut -d'|' -f2-5
         done
     done
     ;;
 *)
-    echo "usage: $0 pack NAME | run NAME [NAME ...]" >&2
+    echo "usage: $0 pack NAME | run NAME[:MODE] [NAME[:MODE] ...]" >&2
     exit 2
     ;;
 esac
