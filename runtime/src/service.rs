@@ -145,7 +145,8 @@ const TPR_BUCKETS: &[f64] = &[1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0];
 pub struct Metrics {
     /// Requests accepted.
     pub requests: AtomicU64,
-    /// Requests refused at submission or failed.
+    /// Requests the engine refused at submission or that failed while decoding (a request the API's validation
+    /// rejects, HTTP 400 before it reaches the engine, is not counted).
     pub failed: AtomicU64,
     /// Requests cancelled (client went away).
     pub cancelled: AtomicU64,
@@ -214,7 +215,7 @@ impl Metrics {
         counter(
             &mut out,
             "flashplan_requests_failed_total",
-            "Requests refused or failed.",
+            "Requests the engine refused at submission or that failed while decoding (HTTP 400s from validation are not counted).",
             &self.failed,
         );
         counter(
