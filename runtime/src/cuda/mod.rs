@@ -297,14 +297,22 @@ impl CudaBackend {
             .map_err(|_| BackendError::Device("the GPU thread is gone".into()))?
     }
 
-    fn check_desc(&self, kind: VariantKind, desc: &RoundDesc) -> Result<usize, BackendError> {
+    /// Before a replay of variant `kind`: checks the descriptor against the plan, encodes its device image
+    /// ([`Self::desc_bytes`]) and drops the cached io reads, which the replay makes stale. Returns the variant's
+    /// index and the image.
+    fn prepare_replay(
+        &mut self,
+        kind: VariantKind,
+        desc: &RoundDesc,
+    ) -> Result<(usize, Vec<u8>), BackendError> {
         let idx = *self
             .index
             .get(&kind)
             .ok_or_else(|| BackendError::NoVariant(kind.name()))?;
-        let body = &self.body;
-        crate::backend::check_desc(body.as_ref(), kind, desc)?;
-        Ok(idx)
+        crate::backend::check_desc(self.body.as_ref(), kind, desc)?;
+        let bytes = self.desc_bytes(desc);
+        self.invalidate();
+        Ok((idx, bytes))
     }
 
     /// The descriptor's device image: `FpStream[max_streams]` then `u32 tokens[max_rows]`.
@@ -365,9 +373,7 @@ impl CudaBackend {
         desc: &RoundDesc,
         iters: u32,
     ) -> Result<BenchResult, BackendError> {
-        let idx = self.check_desc(kind, desc)?;
-        let bytes = self.desc_bytes(desc);
-        self.invalidate();
+        let (idx, bytes) = self.prepare_replay(kind, desc)?;
         self.call(|tx| Cmd::Bench(idx, bytes, iters, tx))
     }
 
@@ -383,9 +389,7 @@ impl CudaBackend {
         desc: &RoundDesc,
         iters: u32,
     ) -> Result<f64, BackendError> {
-        let idx = self.check_desc(kind, desc)?;
-        let bytes = self.desc_bytes(desc);
-        self.invalidate();
+        let (idx, bytes) = self.prepare_replay(kind, desc)?;
         self.call(|tx| Cmd::Replays(idx, bytes, iters, tx))
     }
 
@@ -456,9 +460,7 @@ impl Backend for CudaBackend {
     }
 
     fn run(&mut self, kind: VariantKind, desc: &RoundDesc) -> Result<(), BackendError> {
-        let idx = self.check_desc(kind, desc)?;
-        let bytes = self.desc_bytes(desc);
-        self.invalidate();
+        let (idx, bytes) = self.prepare_replay(kind, desc)?;
         if let Some(info) = self.call(|tx| Cmd::Run(idx, bytes, tx))? {
             tracing::info!(
                 "captured {} ({} nodes) in {:.1} ms",
