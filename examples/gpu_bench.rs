@@ -50,9 +50,10 @@
 //!   would read).
 //!
 //! Usage (the H200 has no NVRTC: the cubins come from `FLASHPLAN_KERNEL_CACHE`, see `scripts/gpu_bench.sh`):
-//! `gpu_bench [--layers N] [--iters N] [--verify] [--streams] [--windows] [--drafter] [--all] [--list] [--nodes]`.
-//! `--nodes` prints every node of lone-w1 and lone-w16 in plan order with its time (instead of the 12 largest).
-//! `--all` = `--verify --streams --windows --drafter`. `--list` needs no GPU: it prints the node list and bytes,
+//! `gpu_bench [--layers N] [--iters N] [--verify] [--streams] [--windows] [--drafter] [--read-floor] [--all] [--list]
+//! [--nodes]`. `--read-floor` times a plain read of as many bytes as each of a layer's largest weight streams and the
+//! lm_head, as one graph node (`CudaBackend::read_floor`): what a node could take at best. `--nodes` prints every node of lone-w1 and lone-w16 in plan order with its time (instead of the 12 largest).
+//! `--all` = `--verify --streams --windows --drafter --read-floor`. `--list` needs no GPU: it prints the node list and bytes,
 //! and for the chosen tables their byte counts (the distinct experts bounded: top-k per MoE layer when every row
 //! routes alike, `min(rows x top-k, experts)` when no two rows share an expert; exact for one row).
 
@@ -705,6 +706,56 @@ fn median(xs: &mut [f64]) -> f64 {
     xs[xs.len() / 2]
 }
 
+/// The `--read-floor` table: a plain read of as many bytes as each of the largest weight streams of a layer (and
+/// the lm_head) as one graph node (`CudaBackend::read_floor`), against 4.25 TB/s; the empty launch first.
+fn read_floor_table(be: &CudaBackend, cfg: &ModelConfig) -> anyhow::Result<()> {
+    let (d, bf) = (cfg.hidden_size as u64, 2u64);
+    let hv_dv = (cfg.linear_num_value_heads * cfg.linear_value_head_dim) as u64;
+    let expert =
+        |m: u64| cfg.num_experts_per_tok as u64 * m * cfg.moe_intermediate_size as u64 * d * bf;
+    let rows: [(&str, u64); 9] = [
+        ("an empty launch", 0),
+        ("router gate (mlp.gate)", cfg.num_experts as u64 * d * bf),
+        (
+            "one hyper-connection weight (input_mix_weight_down)",
+            cfg.hc_lowrank as u64 * cfg.hc_count as u64 * d * bf,
+        ),
+        (
+            "shared expert (gate, up, down)",
+            3 * cfg.shared_expert_intermediate_size as u64 * d * bf,
+        ),
+        ("GDN out_proj", hv_dv * d * bf),
+        ("routed experts' gate_up (top-k)", expert(2)),
+        (
+            "GDN in_proj (qkv, z, b, a)",
+            (cfg.gdn_conv_dim() as u64 + hv_dv + 2 * cfg.linear_num_value_heads as u64) * d * bf,
+        ),
+        ("routed experts (top-k, gate_up + down)", expert(3)),
+        ("lm_head", cfg.vocab_size as u64 * d * bf),
+    ];
+    let sizes: Vec<u64> = rows.iter().map(|r| r.1).collect();
+    let us = be.read_floor(&sizes)?;
+    println!(
+        "\n**Read floor.** `read_floor` (kernels/rows.cu): a plain read of as many bytes as each weight stream, as one \
+         graph node (back-to-back reads of distinct regions, at least {} MB per graph, best of 3 replays, per read); \
+         what a node streaming those bytes could take at best without overlapping its neighbours.\n",
+        flashplan_runtime::cuda::READ_FLOOR_SPAN >> 20
+    );
+    println!("| bytes of | MB | read us | at 4.25 TB/s us | GB/s | % of 4.25 TB/s |");
+    println!("|---|---|---|---|---|---|");
+    for ((what, b), t) in rows.iter().zip(&us) {
+        let gbs = *b as f64 / (t * 1e-6) / 1e9;
+        println!(
+            "| {what} | {:.1} | {t:.1} | {:.1} | {:.0} | {:.1}% |",
+            mb(*b),
+            *b as f64 / BW * 1e6,
+            gbs,
+            100.0 * gbs * 1e9 / BW
+        );
+    }
+    Ok(())
+}
+
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let arg = |k: &str| -> anyhow::Result<Option<u32>> {
@@ -730,6 +781,7 @@ fn main() -> anyhow::Result<()> {
     let windows_t = all || flag("--windows");
     let drafter_t = all || flag("--drafter");
     let all_nodes = flag("--nodes");
+    let read_floor_t = all || flag("--read-floor");
     let cfg = config(layers)?;
     let opts = CompileOptions {
         arch: if list { "cpu".into() } else { "sm_90a".into() },
@@ -1022,6 +1074,9 @@ fn main() -> anyhow::Result<()> {
                 t
             );
         }
+    }
+    if read_floor_t {
+        read_floor_table(&be, &cfg)?;
     }
     let floor_note = format!(
         "floor = dense weights read (gathered rows only for the embedding and PLE tables) + distinct routed \

@@ -428,4 +428,13 @@ typedef struct FpKeepCount {
     u64 keep;
 } FpKeepCount;
 
+/* read_floor (benchmarks only): reads bytes from src once; stores to out only if the fold of what it read equals never. */
+typedef struct FpReadFloor {
+    u64 src;
+    u64 bytes;
+    u64 out;
+    u32 never;
+    u32 pad;
+} FpReadFloor;
+
 #endif

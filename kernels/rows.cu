@@ -81,3 +81,21 @@ extern "C" __global__ void keep_count(const FpKeepCount p) {
         uptr(p.keep)[s] = rows == 0 ? 0 : k;
     }
 }
+
+// Benchmarks only (CudaBackend::read_floor): what a plain read of `bytes` from `src` costs as one graph node, the
+// yardstick for a node that streams as many weight bytes. Every thread keeps 4 of its grid-stride 16-byte streaming
+// loads (the weights' own load, ldg_stream16_l2pf) in flight and folds them by XOR; the one store depends on the
+// fold, so no load can be dropped, and happens only when the fold equals `never`.
+extern "C" __global__ void read_floor(const FpReadFloor p) {
+    const uint4* s = (const uint4*)p.src;
+    const u64 n = p.bytes / 16, stride = (u64)gridDim.x * blockDim.x;
+    u32 fold = 0;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += 4 * stride) {
+        uint4 v[4];
+#pragma unroll
+        for (int u = 0; u < 4; u++) v[u] = i + u * stride < n ? ldg_stream16_l2pf(s + i + u * stride) : zero4();
+#pragma unroll
+        for (int u = 0; u < 4; u++) fold ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+    }
+    if (fold == p.never) uptr(p.out)[0] = fold;
+}

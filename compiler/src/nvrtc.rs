@@ -272,6 +272,7 @@ mod tests {
             "shared_expert_t4",
             "sample",
             "keep_count",
+            "read_floor",
         ] {
             assert!(all.iter().any(|e| e == k), "no kernel entry point {k}");
         }

@@ -502,6 +502,22 @@ fn with_split(
     LaunchSpec::new(split, params, (split_grid(total, k), 1, 1), 256).then(kernel, grid, 256)
 }
 
+/// Blocks of 256 threads of a `read_floor` launch: 8 per SM of the H200 (132 SMs), a full grid.
+const READ_FLOOR_BLOCKS: u32 = 132 * 8;
+
+/// A `read_floor` launch (kernels/rows.cu, benchmarks only): reads `len` bytes from `src`; `out` takes the one
+/// store that never happens in practice.
+pub(crate) fn read_floor_spec(src: u64, len: u64, out: u64) -> LaunchSpec {
+    let p = FpReadFloor {
+        src,
+        bytes: len,
+        out,
+        never: 0x9e37_79b9,
+        pad: 0,
+    };
+    LaunchSpec::new("read_floor", bytes(&p), (READ_FLOOR_BLOCKS, 1, 1), 256)
+}
+
 /// Launch specs of a variant, one entry per node in node order. With `fuse_linears`, each run of sibling linears
 /// (`fuse::launch_groups`) is one `linear_multi` launch standing at its first node's entry; the run's other
 /// nodes get `None` (no launch of their own). Otherwise every node has its own launch.

@@ -180,6 +180,7 @@ enum Cmd {
         Sender<Result<BenchResult, BackendError>>,
     ),
     Replays(usize, Vec<u8>, u32, Sender<Result<f64, BackendError>>),
+    ReadFloor(Vec<u64>, Sender<Result<Vec<f64>, BackendError>>),
 }
 
 /// The CUDA backend handle.
@@ -391,6 +392,18 @@ impl CudaBackend {
     ) -> Result<f64, BackendError> {
         let (idx, bytes) = self.prepare_replay(kind, desc)?;
         self.call(|tx| Cmd::Replays(idx, bytes, iters, tx))
+    }
+
+    /// What a plain read of each of `sizes` bytes costs as one graph node, microseconds: the yardstick for a node
+    /// that streams as many weight bytes (`kernels/rows.cu` `read_floor`: 16-byte streaming loads, 4 in flight per
+    /// thread, a full grid). Each size is timed in a graph of back-to-back reads of distinct regions of the weights
+    /// (at least [`READ_FLOOR_SPAN`] bytes in all, so that no read finds its bytes in L2), best of three replays,
+    /// per read; a size of 0 gives the cost of an empty launch. Sizes are rounded down to 256 bytes. Benchmark only.
+    ///
+    /// # Errors
+    /// A size larger than the weights' allocation, no weights, or a device error.
+    pub fn read_floor(&self, sizes: &[u64]) -> Result<Vec<f64>, BackendError> {
+        self.call(|tx| Cmd::ReadFloor(sizes.to_vec(), tx))
     }
 
     /// Reads one of a variant's buffers (arena or io) as the last replay left it (f32 elements; u32 buffers such
@@ -606,6 +619,8 @@ impl Drop for Event {
 
 /// Copies of one node per benchmark graph (`CudaBackend::bench`).
 const NODE_REPEATS: u32 = 20;
+/// The least bytes one [`CudaBackend::read_floor`] graph reads (several times the H200's 50 MB of L2).
+pub const READ_FLOOR_SPAN: u64 = 256 << 20;
 
 /// Everything the GPU thread owns.
 struct Worker {
@@ -614,6 +629,8 @@ struct Worker {
     graphs: HashMap<usize, Graph>,
     #[allow(dead_code)] // held for its allocation (weight_ptr points into it)
     weights: Option<DevBuf>,
+    /// Bytes of `weights`.
+    weights_bytes: u64,
     weight_ptr: Vec<u64>,
     /// MXFP8 scales of each weight held as MXFP8 (weights.rs), 0 for the others.
     weight_scales: Vec<u64>,
@@ -840,6 +857,7 @@ impl Worker {
             body,
             graphs: HashMap::new(),
             weights: wbuf,
+            weights_bytes: total as u64,
             weight_ptr,
             weight_scales,
             arena,
@@ -896,6 +914,9 @@ impl Worker {
                 }
                 Cmd::Replays(i, d, iters, tx) => {
                     let _ = tx.send(self.replays(i, &d, iters));
+                }
+                Cmd::ReadFloor(sizes, tx) => {
+                    let _ = tx.send(self.read_floor(&sizes));
                 }
             }
         }
@@ -1245,6 +1266,47 @@ impl Worker {
             .collect::<Result<_, _>>()?;
         ts.sort_by(|a, b| a.total_cmp(b));
         Ok(ts[ts.len() / 2])
+    }
+
+    /// [`CudaBackend::read_floor`].
+    fn read_floor(&self, sizes: &[u64]) -> Result<Vec<f64>, BackendError> {
+        let (Some(w), total) = (&self.weights, self.weights_bytes) else {
+            return Err(BackendError::Device(
+                "read_floor: no weights to read".into(),
+            ));
+        };
+        let ev = (Event::new()?, Event::new()?);
+        let mut out = Vec::with_capacity(sizes.len());
+        for &size in sizes {
+            let size = size / 256 * 256;
+            if size > total {
+                return Err(BackendError::Device(format!(
+                    "read_floor: {size} bytes, but the weights hold {total}"
+                )));
+            }
+            let copies = match size {
+                0 => NODE_REPEATS as u64,
+                _ => READ_FLOOR_SPAN.div_ceil(size).max(NODE_REPEATS as u64),
+            };
+            let regions = (total / size.max(1)).max(1);
+            let specs: Vec<launch::LaunchSpec> = (0..copies)
+                .map(|c| {
+                    launch::read_floor_spec(w.ptr + (c % regions) * size, size, self.scratch.ptr)
+                })
+                .collect();
+            let g = self.capture_graph(specs.iter(), false)?;
+            let mut best = f64::MAX;
+            for _ in 0..3 {
+                // SAFETY: an instantiated graph on our stream.
+                let ms = self.timed(&ev, &|t| {
+                    unsafe { result::graph::launch(g.exec, t.cu()) }
+                        .map_err(dev_err("graph launch"))
+                })?;
+                best = best.min(ms as f64 * 1e3 / copies as f64);
+            }
+            out.push(best);
+        }
+        Ok(out)
     }
 
     fn bench(&mut self, i: usize, d: &[u8], iters: u32) -> Result<BenchResult, BackendError> {
