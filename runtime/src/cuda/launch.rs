@@ -28,6 +28,8 @@ pub(crate) struct Addrs<'a> {
     /// Fewer launches for the small ops (`FLASHPLAN_FUSE_SMALL`): the router in one launch up to
     /// `ROUTER_ONE_LAUNCH_ROWS` rows (its last block does the top-k). Same bits either way.
     pub fuse_small: bool,
+    /// Streaming multiprocessors of the GPU (132 on the H200), for the one-wave grids ([`one_wave`]).
+    pub sms: u32,
     /// The side branch's scratch ([`side_scratch_elems`] elements), or 0 to run every launch on the main stream.
     pub side_scratch: u64,
     /// The side arena ([`side_arena_elems`] elements) for the buffers of the PLE branch ([`branch_ple_prep`]), or 0.
@@ -416,6 +418,35 @@ fn linear_params(a: &Addrs, v: &Variant, op: &Op) -> Result<(FpLinear, u32, u32)
     Ok((p, total, per_block))
 }
 
+/// Blocks of `linear_t1` / `linear_multi_t1` resident on one SM (their `__launch_bounds__(256, 3)`).
+const LINEAR_T1_BLOCKS_PER_SM: u32 = 3;
+/// Blocks of `experts` (the gate/up) resident on one SM: 256 threads of 128 registers fill half the register file.
+const EXPERTS_BLOCKS_PER_SM: u32 = 2;
+
+/// A grid of `blocks` cut to the blocks that fit on the GPU at once (`per_sm` on each of `sms` SMs), for kernels
+/// whose blocks loop over their work (grid-stride), so the launch runs in one wave: no block waits for a slot and
+/// no block repeats its set-up (a lone row's split into shared memory, the top of the first loads). Which block does
+/// a piece of work never changes its arithmetic. `sms` = 0 (unknown) keeps the grid.
+fn one_wave(blocks: u32, per_sm: u32, sms: u32) -> u32 {
+    if sms == 0 {
+        blocks
+    } else {
+        blocks.min(per_sm * sms).max(1)
+    }
+}
+
+/// Cuts the blocks of several matrices' shares of one grid to at most `cap` in all, each share in proportion (at
+/// least one block); returns the new grid. Unchanged when they fit.
+fn one_wave_shares(blocks: &mut [u32], cap: u32) -> u32 {
+    let whole: u64 = blocks.iter().map(|&b| b as u64).sum();
+    if whole > cap as u64 {
+        for b in blocks.iter_mut() {
+            *b = (*b as u64 * cap as u64 / whole).max(1) as u32;
+        }
+    }
+    blocks.iter().sum()
+}
+
 /// Steps of 32 inputs per warp from which a one-row `linear` keeps 8 steps of loads in flight
 /// (`linear_t1_deep`, two blocks an SM) instead of 4: the lm_head (2560 inputs in 2 slices: 40 steps). H200, the
 /// lm_head at one row: 304.5 -> 300.7 us, lone-w1 954 -> 949 us; the GDN projections (10 steps a warp) and the
@@ -474,6 +505,15 @@ fn linear_multi(a: &Addrs, v: &Variant, ops: &[&Op]) -> Result<LaunchSpec, Backe
         m.blocks[i] = p.n.div_ceil(per_block).max(1);
         grid += m.blocks[i];
         total = t;
+    }
+    // One row: the grid in one wave (`one_wave`), each matrix keeping its share of the blocks (its blocks loop over
+    // its m-tiles). H200, lone-w1: the GDN projections' launch (1030 blocks, 396 resident) 27.9 -> 25.8 us,
+    // `linear_multi_t1` 131.8 -> 121.9 us a replay.
+    if total == 1 {
+        grid = one_wave_shares(
+            &mut m.blocks[..ops.len()],
+            one_wave(grid, LINEAR_T1_BLOCKS_PER_SM, a.sms),
+        );
     }
     Ok(with_split(
         "linear_multi_split",
@@ -681,8 +721,15 @@ fn experts_spec(a: &Addrs, v: &Variant, op: &Op, shared: u64) -> Result<LaunchSp
         )));
     }
     let items = rows as u64 * *topk as u64 * inter.div_ceil(2) as u64;
+    let mut grid = items.div_ceil(8) as u32;
+    if rows == 1 {
+        // One row: the gate/up in one wave (`one_wave`: 3200 warps at the real width, 2112 resident). H200,
+        // lone-w1: `experts` 135.5 -> 131.4 us a replay. From 2 rows on the full grid was faster (lone-w16 2796 ->
+        // 2817 us with one wave): rows routed to one expert then read its rows side by side.
+        grid = one_wave(grid, EXPERTS_BLOCKS_PER_SM, a.sms);
+    }
     Ok(
-        LaunchSpec::new("experts", bytes(&p), (items.div_ceil(8) as u32, 1, 1), 256).then(
+        LaunchSpec::new("experts", bytes(&p), (grid, 1, 1), 256).then(
             "experts_down",
             (rows * *dim).div_ceil(8),
             256,
@@ -1165,14 +1212,15 @@ pub(crate) fn spec(
             let (p, total, per_block) = linear_params(a, v, op)?;
             match a.mxfp8_scales.get(w.0 as usize) {
                 Some(&scales) if scales != 0 => linear_mxfp8(&p, scales, total),
-                _ => with_split(
-                    "linear_split",
-                    linear_entry(total, p.k, p.split),
-                    bytes(&p),
-                    total,
-                    p.k,
-                    n.div_ceil(per_block),
-                ),
+                _ => {
+                    let entry = linear_entry(total, p.k, p.split);
+                    let mut grid = n.div_ceil(per_block);
+                    if entry == "linear_t1" {
+                        // As `linear_multi` at one row: one wave.
+                        grid = one_wave(grid, LINEAR_T1_BLOCKS_PER_SM, a.sms);
+                    }
+                    with_split("linear_split", entry, bytes(&p), total, p.k, grid)
+                }
             }
         }
         Op::AddBroadcast {
@@ -1750,6 +1798,7 @@ mod tests {
                     rope_cfg: &rope,
                     counters: 0x5000_0000,
                     fuse_small,
+                    sms: 132,
                     side_scratch,
                     side_arena: if side_scratch != 0 { SIDE_ARENA } else { 0 },
                     moved: &[],
@@ -1757,6 +1806,21 @@ mod tests {
                 (v.clone(), specs(&a, v, true).expect("specs"))
             })
             .collect()
+    }
+
+    #[test]
+    fn one_row_grids_run_in_one_wave_and_keep_each_matrix_share() {
+        assert_eq!(one_wave(1030, LINEAR_T1_BLOCKS_PER_SM, 132), 396);
+        assert_eq!(one_wave(160, LINEAR_T1_BLOCKS_PER_SM, 132), 160);
+        assert_eq!(one_wave(1030, LINEAR_T1_BLOCKS_PER_SM, 0), 1030);
+        // The GDN projections at the real width: qkv, z, b, a in 640 + 384 + 3 + 3 blocks.
+        let mut b = [640, 384, 3, 3];
+        let grid = one_wave_shares(&mut b, 396);
+        assert_eq!(b, [246, 147, 1, 1]);
+        assert_eq!(grid, 395);
+        let mut small = [100, 50];
+        assert_eq!(one_wave_shares(&mut small, 396), 150);
+        assert_eq!(small, [100, 50]);
     }
 
     /// A spec's parameter struct, read back from its bytes.

@@ -652,8 +652,10 @@ struct Worker {
     rope: DevBuf,
     staging: Pinned,
     funcs: HashMap<String, sys::CUfunction>,
-    /// Launch kernels as programmatic dependent launches (`FLASHPLAN_PDL`, default off).
+    /// Launch kernels as programmatic dependent launches (`FLASHPLAN_PDL`, default on).
     pdl: bool,
+    /// Streaming multiprocessors of the GPU (`launch::Addrs::sms`).
+    sms: u32,
     /// Launch runs of sibling linears as one `linear_multi` (`FLASHPLAN_FUSE_LINEAR`, default on).
     fuse_linear: bool,
     /// Fewer launches for small ops (`FLASHPLAN_FUSE_SMALL`, default on): the router in one launch up to 8 rows,
@@ -704,12 +706,14 @@ fn switch_setting(name: &str, what: &str, default: bool) -> Result<bool, Backend
     }
 }
 
-/// `FLASHPLAN_PDL`: `1` launches every kernel as a programmatic dependent launch, `0` (default) as a plain launch
-/// (the results are the same). Off by default: with every kernel letting its dependents launch before waiting,
-/// one-row replays on the H200 took 1218 us with it and 1129 us without; since each kernel waits first
-/// (kernels/common.cuh `pdl_start`) it is neutral (1125 against 1133 us; docs/benchmarks.md, fourth session).
+/// `FLASHPLAN_PDL`: `1` (default) launches every kernel as a programmatic dependent launch, `0` as a plain launch
+/// (the results are the same). Each kernel waits for the previous one before it lets the next be scheduled
+/// (kernels/common.cuh `pdl_start`), so the next kernel's blocks take the SM slots the current one leaves free and
+/// start the moment it completes. On the H200 it was neutral while the large launches ran in several waves (fourth
+/// session: 1125 against 1133 us); with the one-row grids in one wave (`launch::one_wave`) it pays: lone-w1 927 ->
+/// 901 us, lone-w16 2791 -> 2761 us (docs/benchmarks.md, tenth session).
 fn pdl_setting() -> Result<bool, BackendError> {
-    switch_setting("FLASHPLAN_PDL", "programmatic dependent launches", false)
+    switch_setting("FLASHPLAN_PDL", "programmatic dependent launches", true)
 }
 
 /// `FLASHPLAN_FUSE_LINEAR`: `1` (default) launches each run of consecutive sibling BF16 linears (same input) as one
@@ -759,6 +763,10 @@ impl Worker {
                 body.options.arch, cc.0, cc.1
             )));
         }
+        let sms = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(dev_err("SM count"))?
+            .max(0) as u32;
         let stream = ctx.new_stream().map_err(dev_err("stream"))?;
         let side = ctx.new_stream().map_err(dev_err("stream"))?;
         let (fork, join) = (Event::untimed()?, Event::untimed()?);
@@ -873,6 +881,7 @@ impl Worker {
             staging,
             funcs,
             pdl,
+            sms,
             fuse_linear,
             fuse_small,
             modules,
@@ -958,6 +967,7 @@ impl Worker {
             rope_cfg: &self.rope_cfg,
             counters: self.counter_base[i],
             fuse_small: self.fuse_small,
+            sms: self.sms,
             side_scratch: self.side_scratch.as_ref().map_or(0, |b| b.ptr),
             side_arena: self.side_arena.as_ref().map_or(0, |b| b.ptr),
             moved: &[],
