@@ -418,7 +418,8 @@ fn linear_params(a: &Addrs, v: &Variant, op: &Op) -> Result<(FpLinear, u32, u32)
     Ok((p, total, per_block))
 }
 
-/// Blocks of `linear_t1` / `linear_multi_t1` resident on one SM (their `__launch_bounds__(256, 3)`).
+/// Blocks of `linear_t1`, `linear_t2`, `linear_multi_t1` and `linear_multi_t2` resident on one SM (their
+/// `__launch_bounds__(256, 3)`).
 const LINEAR_T1_BLOCKS_PER_SM: u32 = 3;
 /// Blocks of `experts` (the gate/up) resident on one SM: 256 threads of 128 registers fill half the register file.
 const EXPERTS_BLOCKS_PER_SM: u32 = 2;
@@ -506,10 +507,10 @@ fn linear_multi(a: &Addrs, v: &Variant, ops: &[&Op]) -> Result<LaunchSpec, Backe
         grid += m.blocks[i];
         total = t;
     }
-    // One row: the grid in one wave (`one_wave`), each matrix keeping its share of the blocks (its blocks loop over
-    // its m-tiles). H200, lone-w1: the GDN projections' launch (1030 blocks, 396 resident) 27.9 -> 25.8 us,
-    // `linear_multi_t1` 131.8 -> 121.9 us a replay.
-    if total == 1 {
+    // One or two rows: the grid in one wave (`one_wave`), each matrix keeping its share of the blocks (its blocks
+    // loop over its m-tiles). H200, lone-w1: the GDN projections' launch (1030 blocks, 396 resident) 27.9 -> 25.8
+    // us, `linear_multi_t1` 131.8 -> 121.9 us a replay; lone-w2 1100 -> 1093 us.
+    if total <= 2 {
         grid = one_wave_shares(
             &mut m.blocks[..ops.len()],
             one_wave(grid, LINEAR_T1_BLOCKS_PER_SM, a.sms),
@@ -1215,8 +1216,9 @@ pub(crate) fn spec(
                 _ => {
                     let entry = linear_entry(total, p.k, p.split);
                     let mut grid = n.div_ceil(per_block);
-                    if entry == "linear_t1" {
-                        // As `linear_multi` at one row: one wave.
+                    if entry == "linear_t1" || entry == "linear_t2" {
+                        // As `linear_multi` at one or two rows: one wave (the lm_head's `linear_t1_deep` in one
+                        // wave of 264 blocks was slower: 300.8 -> 302.8 us).
                         grid = one_wave(grid, LINEAR_T1_BLOCKS_PER_SM, a.sms);
                     }
                     with_split("linear_split", entry, bytes(&p), total, p.k, grid)
