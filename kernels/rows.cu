@@ -86,7 +86,8 @@ extern "C" __global__ void keep_count(const FpKeepCount p) {
 // yardstick for a node that streams as many weight bytes. Every thread keeps 4 of its grid-stride 16-byte streaming
 // loads (the weights' own load, ldg_stream16_l2pf) in flight and folds them by XOR; the one store depends on the
 // fold, so no load can be dropped, and happens only when the fold equals `never`.
-extern "C" __global__ void read_floor(const FpReadFloor p) {
+extern "C" __global__ void __launch_bounds__(256, 8) read_floor(const FpReadFloor p) {
+    pdl_start();
     const uint4* s = (const uint4*)p.src;
     const u64 n = p.bytes / 16, stride = (u64)gridDim.x * blockDim.x;
     u32 fold = 0;

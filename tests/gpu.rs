@@ -378,6 +378,39 @@ fn fixture_checks(name: &str, dir: &Path, expected: &Path, rep: &mut Report) {
         "bit-identical rows".into(),
     );
 
+    // Grids in one wave (runtime/src/cuda/launch.rs `one_wave`: the one- and two-row linears, the one-row experts'
+    // gate/up) sized as for a GPU of one SM: every block then loops over many m-tiles and experts' items. Which block
+    // does a piece of work must never change a bit.
+    let mut identical = true;
+    let mut compared = 0;
+    for win in [1u32, 2] {
+        for kind in [
+            VariantKind::Verify {
+                streams: 1,
+                window: win,
+            },
+            VariantKind::Lone { window: win },
+        ] {
+            let d = desc(&[(0, n as u32, win, &cont[..win as usize])], win);
+            let mut base: Option<Vec<f32>> = None;
+            for sms in [0u32, 1] {
+                gpu.set_grid_sms(sms).unwrap();
+                gpu.set_slot_state(0, &gpu_snapshot).unwrap();
+                gpu.run(kind, &d).unwrap();
+                identical &=
+                    same_bits_as(&mut base, &gpu.io(IoBuf::Logits)[..win as usize * vocab]);
+            }
+            compared += 1;
+        }
+    }
+    gpu.set_grid_sms(0).unwrap();
+    rep.add(
+        name,
+        "one-wave grids: 1 SM == this GPU's, windows 1 and 2",
+        identical,
+        format!("bit-identical rows ({compared} variants)"),
+    );
+
     // MTP: absorb one entry at a time from the given main streams, then a chained step.
     let (_, streams) = exp.f32("mtp_streams");
     let toks = exp.ids("mtp_tokens");

@@ -421,7 +421,9 @@ fn linear_params(a: &Addrs, v: &Variant, op: &Op) -> Result<(FpLinear, u32, u32)
 /// Blocks of `linear_t1`, `linear_t2`, `linear_multi_t1` and `linear_multi_t2` resident on one SM (their
 /// `__launch_bounds__(256, 3)`).
 const LINEAR_T1_BLOCKS_PER_SM: u32 = 3;
-/// Blocks of `experts` (the gate/up) resident on one SM: 256 threads of 128 registers fill half the register file.
+/// Blocks of `experts` (the gate/up) resident on one SM: 256 threads of 128 registers (what ptxas gives it; it has no
+/// launch bound, and `__launch_bounds__(256, 2)` changed its code, unmeasured) fill half the register file. Were the
+/// compiler to give it more, the grid would take two waves: slower, the same results.
 const EXPERTS_BLOCKS_PER_SM: u32 = 2;
 
 /// A grid of `blocks` cut to the blocks that fit on the GPU at once (`per_sm` on each of `sms` SMs), for kernels
@@ -436,8 +438,9 @@ fn one_wave(blocks: u32, per_sm: u32, sms: u32) -> u32 {
     }
 }
 
-/// Cuts the blocks of several matrices' shares of one grid to at most `cap` in all, each share in proportion (at
-/// least one block); returns the new grid. Unchanged when they fit.
+/// Cuts the blocks of several matrices' shares of one grid to about `cap` in all, each share in proportion; returns
+/// the new grid. Every share keeps at least one block, so shares of a block or two may take the sum a few blocks past
+/// `cap` (a second wave of those few, never a wrong result). Unchanged when they fit.
 fn one_wave_shares(blocks: &mut [u32], cap: u32) -> u32 {
     let whole: u64 = blocks.iter().map(|&b| b as u64).sum();
     if whole > cap as u64 {
@@ -476,7 +479,8 @@ const LINEAR_MULTI: ByRows = &[
 
 /// One `linear_multi` launch for a run of sibling BF16 `Linear` nodes (`fuse::launch_groups`: same x, k and sub,
 /// outputs apart from x and from each other, at most `FP_MAX_LINEARS`). Matrix m gets `blocks[m]` = the grid of its
-/// own `linear` launch; the row tile and split of K are those of every node of the run, so each output is
+/// own `linear` launch (at one or two rows a proportional share of one wave: [`one_wave_shares`]); its blocks loop
+/// over its m-tiles, and the row tile and split of K are those of every node of the run, so each output is
 /// bit-identical to the unfused launch.
 fn linear_multi(a: &Addrs, v: &Variant, ops: &[&Op]) -> Result<LaunchSpec, BackendError> {
     if ops.is_empty() || ops.len() > FP_MAX_LINEARS {
@@ -509,7 +513,7 @@ fn linear_multi(a: &Addrs, v: &Variant, ops: &[&Op]) -> Result<LaunchSpec, Backe
     }
     // One or two rows: the grid in one wave (`one_wave`), each matrix keeping its share of the blocks (its blocks
     // loop over its m-tiles). H200, lone-w1: the GDN projections' launch (1030 blocks, 396 resident) 27.9 -> 25.8
-    // us, `linear_multi_t1` 131.8 -> 121.9 us a replay; lone-w2 1100 -> 1093 us.
+    // us, `linear_multi_t1` 131.8 -> 121.9 us a replay; lone-w2 1100 -> 1092-1094 us.
     if total <= 2 {
         grid = one_wave_shares(
             &mut m.blocks[..ops.len()],
@@ -543,12 +547,12 @@ fn with_split(
     LaunchSpec::new(split, params, (split_grid(total, k), 1, 1), 256).then(kernel, grid, 256)
 }
 
-/// Blocks of 256 threads of a `read_floor` launch: 8 per SM of the H200 (132 SMs), a full grid.
-const READ_FLOOR_BLOCKS: u32 = 132 * 8;
+/// Blocks of 256 threads of `read_floor` per SM: a full SM (its `__launch_bounds__(256, 8)`).
+const READ_FLOOR_BLOCKS_PER_SM: u32 = 8;
 
-/// A `read_floor` launch (kernels/rows.cu, benchmarks only): reads `len` bytes from `src`; `out` takes the one
-/// store that never happens in practice.
-pub(crate) fn read_floor_spec(src: u64, len: u64, out: u64) -> LaunchSpec {
+/// A `read_floor` launch (kernels/rows.cu, benchmarks only) on a GPU of `sms` SMs, one full wave: reads `len` bytes
+/// from `src`; `out` takes the one store that never happens in practice.
+pub(crate) fn read_floor_spec(src: u64, len: u64, out: u64, sms: u32) -> LaunchSpec {
     let p = FpReadFloor {
         src,
         bytes: len,
@@ -556,7 +560,8 @@ pub(crate) fn read_floor_spec(src: u64, len: u64, out: u64) -> LaunchSpec {
         never: 0x9e37_79b9,
         pad: 0,
     };
-    LaunchSpec::new("read_floor", bytes(&p), (READ_FLOOR_BLOCKS, 1, 1), 256)
+    let grid = READ_FLOOR_BLOCKS_PER_SM * sms.max(1);
+    LaunchSpec::new("read_floor", bytes(&p), (grid, 1, 1), 256)
 }
 
 /// Launch specs of a variant, one entry per node in node order. With `fuse_linears`, each run of sibling linears
@@ -1216,7 +1221,7 @@ pub(crate) fn spec(
                 _ => {
                     let entry = linear_entry(total, p.k, p.split);
                     let mut grid = n.div_ceil(per_block);
-                    if entry == "linear_t1" || entry == "linear_t2" {
+                    if total <= 2 && entry != "linear_t1_deep" {
                         // As `linear_multi` at one or two rows: one wave (the lm_head's `linear_t1_deep` in one
                         // wave of 264 blocks was slower: 300.8 -> 302.8 us).
                         grid = one_wave(grid, LINEAR_T1_BLOCKS_PER_SM, a.sms);
@@ -1765,7 +1770,12 @@ mod tests {
         fuse_small: bool,
         side_scratch: u64,
     ) -> Vec<(Variant, Vec<Option<LaunchSpec>>)> {
-        specs_of(&super::fuse::tests::tiny_plan(), fuse_small, side_scratch)
+        specs_of(
+            &super::fuse::tests::tiny_plan(),
+            fuse_small,
+            side_scratch,
+            132,
+        )
     }
 
     /// The launch specs of every variant of `body`, with made-up device addresses; the side arena is there with
@@ -1774,6 +1784,7 @@ mod tests {
         body: &PlanBody,
         fuse_small: bool,
         side_scratch: u64,
+        sms: u32,
     ) -> Vec<(Variant, Vec<Option<LaunchSpec>>)> {
         let weights: Vec<u64> = (0..body.weights.len() as u64)
             .map(|i| 0x1000_0000 + (i << 20))
@@ -1800,7 +1811,7 @@ mod tests {
                     rope_cfg: &rope,
                     counters: 0x5000_0000,
                     fuse_small,
-                    sms: 132,
+                    sms,
                     side_scratch,
                     side_arena: if side_scratch != 0 { SIDE_ARENA } else { 0 },
                     moved: &[],
@@ -1808,6 +1819,67 @@ mod tests {
                 (v.clone(), specs(&a, v, true).expect("specs"))
             })
             .collect()
+    }
+
+    #[test]
+    fn on_one_sm_the_one_and_two_row_launches_take_one_wave_and_every_matrix_keeps_blocks() {
+        let (mut seen, mut cut) = (0, 0);
+        let plan = super::fuse::tests::tiny_plan();
+        let full = specs_of(&plan, true, SIDE_SCRATCH, 132);
+        let one = specs_of(&plan, true, SIDE_SCRATCH, 1);
+        for ((v, sp), (_, sp_full)) in one.into_iter().zip(&full) {
+            let rows = v.kind.shape().0 * v.kind.shape().1;
+            let pairs = sp
+                .iter()
+                .zip(sp_full)
+                .filter_map(|(s, f)| Some((s.as_ref()?, f.as_ref()?)));
+            for (s, f) in pairs {
+                let last = |s: &LaunchSpec| s.then.last().map_or(s.grid.0, |t| t.1 .0);
+                if last(s) < last(f) {
+                    cut += 1;
+                }
+                let (kernel, grid) = match s.then.last() {
+                    Some(&(k, g, _)) if s.kernel.ends_with("split") => (k, g.0),
+                    _ => (s.kernel, s.grid.0),
+                };
+                if kernel.starts_with("linear_multi_t") {
+                    let m: FpLinearMulti = params_of(s);
+                    let blocks = &m.blocks[..m.count as usize];
+                    assert_eq!(
+                        blocks.iter().sum::<u32>(),
+                        grid,
+                        "{}: {kernel}",
+                        v.kind.name()
+                    );
+                    assert!(blocks.iter().all(|&b| b >= 1));
+                    if rows <= 2 {
+                        // 3 blocks on the one SM, give or take a block per matrix.
+                        assert!(
+                            grid <= LINEAR_T1_BLOCKS_PER_SM + m.count,
+                            "{}: {grid}",
+                            v.kind.name()
+                        );
+                        seen += 1;
+                    }
+                } else if rows <= 2 && (kernel == "linear_t1" || kernel == "linear_t2") {
+                    assert!(
+                        grid <= LINEAR_T1_BLOCKS_PER_SM,
+                        "{}: {kernel} {grid}",
+                        v.kind.name()
+                    );
+                    seen += 1;
+                } else if rows == 1 && kernel == "experts" {
+                    assert!(
+                        grid <= EXPERTS_BLOCKS_PER_SM,
+                        "{}: experts {grid}",
+                        v.kind.name()
+                    );
+                    seen += 1;
+                }
+            }
+        }
+        // The tiny plan's launches are cut to one SM's wave (not only small to begin with).
+        assert!(seen > 0 && cut > 0, "{seen} launches checked, {cut} cut");
     }
 
     #[test]
@@ -1946,7 +2018,7 @@ mod tests {
             json["ple_layer_ids"] = serde_json::json!([2, 3]);
         });
         let mut seen = 0;
-        for (v, sp) in &specs_of(&body, true, SIDE_SCRATCH) {
+        for (v, sp) in &specs_of(&body, true, SIDE_SCRATCH, 132) {
             let preps = ple_preps(v);
             if preps.is_empty() {
                 continue;

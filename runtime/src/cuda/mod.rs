@@ -181,6 +181,7 @@ enum Cmd {
     ),
     Replays(usize, Vec<u8>, u32, Sender<Result<f64, BackendError>>),
     ReadFloor(Vec<u64>, Sender<Result<Vec<f64>, BackendError>>),
+    GridSms(u32, Sender<Result<(), BackendError>>),
 }
 
 /// The CUDA backend handle.
@@ -397,13 +398,25 @@ impl CudaBackend {
     /// What a plain read of each of `sizes` bytes costs as one graph node, microseconds: the yardstick for a node
     /// that streams as many weight bytes (`kernels/rows.cu` `read_floor`: 16-byte streaming loads, 4 in flight per
     /// thread, a full grid). Each size is timed in a graph of back-to-back reads of distinct regions of the weights
-    /// (at least [`READ_FLOOR_SPAN`] bytes in all, so that no read finds its bytes in L2), best of three replays,
-    /// per read; a size of 0 gives the cost of an empty launch. Sizes are rounded down to 256 bytes. Benchmark only.
+    /// (at least [`READ_FLOOR_SPAN`] bytes in all, so that no read finds its bytes in L2; the regions wrap around
+    /// the weights, so this holds while the weights are several times the L2, as at the real widths), best of three
+    /// replays, per read; a size of 0 gives the cost of an empty launch. Sizes are rounded down to 256 bytes.
+    /// Benchmark only.
     ///
     /// # Errors
     /// A size larger than the weights' allocation, no weights, or a device error.
     pub fn read_floor(&self, sizes: &[u64]) -> Result<Vec<f64>, BackendError> {
         self.call(|tx| Cmd::ReadFloor(sizes.to_vec(), tx))
+    }
+
+    /// Sizes the one-wave grids (`launch::one_wave`) as for a GPU of `sms` SMs, or of this GPU's own count with 0,
+    /// and drops the captured graphs so that the next runs capture with it. For tests: with a small count every
+    /// block loops over many m-tiles and experts' items, which must give the same bits as this GPU's own grids.
+    ///
+    /// # Errors
+    /// A device error.
+    pub fn set_grid_sms(&mut self, sms: u32) -> Result<(), BackendError> {
+        self.call(|tx| Cmd::GridSms(sms, tx))
     }
 
     /// Reads one of a variant's buffers (arena or io) as the last replay left it (f32 elements; u32 buffers such
@@ -654,8 +667,11 @@ struct Worker {
     funcs: HashMap<String, sys::CUfunction>,
     /// Launch kernels as programmatic dependent launches (`FLASHPLAN_PDL`, default on).
     pdl: bool,
-    /// Streaming multiprocessors of the GPU (`launch::Addrs::sms`).
+    /// Streaming multiprocessors the one-wave grids are sized for (`launch::Addrs::sms`): the GPU's own count
+    /// unless a test set another ([`CudaBackend::set_grid_sms`]).
     sms: u32,
+    /// Streaming multiprocessors of the GPU.
+    device_sms: u32,
     /// Launch runs of sibling linears as one `linear_multi` (`FLASHPLAN_FUSE_LINEAR`, default on).
     fuse_linear: bool,
     /// Fewer launches for small ops (`FLASHPLAN_FUSE_SMALL`, default on): the router in one launch up to 8 rows,
@@ -710,8 +726,9 @@ fn switch_setting(name: &str, what: &str, default: bool) -> Result<bool, Backend
 /// (the results are the same). Each kernel waits for the previous one before it lets the next be scheduled
 /// (kernels/common.cuh `pdl_start`), so the next kernel's blocks take the SM slots the current one leaves free and
 /// start the moment it completes. On the H200 it was neutral while the large launches ran in several waves (fourth
-/// session: 1125 against 1133 us); with the one-row grids in one wave (`launch::one_wave`) it pays: lone-w1 927 ->
-/// 901 us, lone-w16 2791 -> 2761 us (docs/benchmarks.md, tenth session).
+/// session: 1125 against 1133 us); with the one- and two-row grids in one wave (`launch::one_wave`) it pays in one
+/// A/B run: lone-w1 927 -> 901 us, lone-w2 1101 -> 1084 us, lone-w4 unchanged, but lone-w8 1769 -> 1795-1801 us
+/// (docs/benchmarks.md, tenth session).
 fn pdl_setting() -> Result<bool, BackendError> {
     switch_setting("FLASHPLAN_PDL", "programmatic dependent launches", true)
 }
@@ -882,6 +899,7 @@ impl Worker {
             funcs,
             pdl,
             sms,
+            device_sms: sms,
             fuse_linear,
             fuse_small,
             modules,
@@ -926,6 +944,11 @@ impl Worker {
                 }
                 Cmd::ReadFloor(sizes, tx) => {
                     let _ = tx.send(self.read_floor(&sizes));
+                }
+                Cmd::GridSms(sms, tx) => {
+                    self.sms = if sms == 0 { self.device_sms } else { sms };
+                    self.graphs.clear();
+                    let _ = tx.send(Ok(()));
                 }
             }
         }
@@ -1301,7 +1324,12 @@ impl Worker {
             let regions = (total / size.max(1)).max(1);
             let specs: Vec<launch::LaunchSpec> = (0..copies)
                 .map(|c| {
-                    launch::read_floor_spec(w.ptr + (c % regions) * size, size, self.scratch.ptr)
+                    launch::read_floor_spec(
+                        w.ptr + (c % regions) * size,
+                        size,
+                        self.scratch.ptr,
+                        self.sms,
+                    )
                 })
                 .collect();
             let g = self.capture_graph(specs.iter(), false)?;
