@@ -52,9 +52,10 @@
 //! Usage (the H200 has no NVRTC: the cubins come from `FLASHPLAN_KERNEL_CACHE`, see `scripts/gpu_bench.sh`):
 //! `gpu_bench [--layers N] [--iters N] [--verify] [--streams] [--windows] [--drafter] [--read-floor] [--all] [--list]
 //! [--nodes]`. `--read-floor` times a plain read of as many bytes as each of a layer's largest weight streams and the
-//! lm_head, as one graph node (`CudaBackend::read_floor`): what a node could take at best. `--nodes` prints every node of lone-w1 and lone-w16 in plan order with its time (instead of the 12 largest).
-//! `--all` = `--verify --streams --windows --drafter --read-floor`. `--list` needs no GPU: it prints the node list and bytes,
-//! and for the chosen tables their byte counts (the distinct experts bounded: top-k per MoE layer when every row
+//! lm_head, as one graph node (`CudaBackend::read_floor`): what a node could take at best. `--nodes` prints every
+//! node of lone-w1 and lone-w16 in plan order with its time (instead of the 12 largest). `--all` = `--verify
+//! --streams --windows --drafter --read-floor`. `--list` needs no GPU: it prints the node list and bytes, and for
+//! the chosen tables their byte counts (the distinct experts bounded: top-k per MoE layer when every row
 //! routes alike, `min(rows x top-k, experts)` when no two rows share an expert; exact for one row).
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -745,12 +746,12 @@ fn read_floor_table(be: &CudaBackend, cfg: &ModelConfig) -> anyhow::Result<()> {
     println!("|---|---|---|---|---|---|");
     for ((what, b), t) in rows.iter().zip(&us) {
         // The bytes read_floor reads: rounded down to 256.
-        let b = &(*b / 256 * 256);
-        let gbs = *b as f64 / (t * 1e-6) / 1e9;
+        let b = *b / 256 * 256;
+        let gbs = b as f64 / (t * 1e-6) / 1e9;
         println!(
             "| {what} | {:.1} | {t:.1} | {:.1} | {:.0} | {:.1}% |",
-            mb(*b),
-            *b as f64 / BW * 1e6,
+            mb(b),
+            b as f64 / BW * 1e6,
             gbs,
             100.0 * gbs * 1e9 / BW
         );
