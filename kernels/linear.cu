@@ -34,8 +34,9 @@ extern "C" __global__ void linear_multi_split(const FpLinearMulti p) {
 // Linear nodes, runtime/src/cuda/fuse.rs). Block b belongs to matrix m where b falls in m's range of the prefix sums
 // of blocks[] (blocks[m] = m's own `linear` grid, or at one or two rows its share of one wave, same row tile T and
 // split S: the runtime only joins linears with the same split); it runs `linear_entry` on m's parameters as block
-// b - start(m) of blocks[m], looping over m's m-tiles. So every output element is computed with exactly the arithmetic of the unfused `linear` launch (same slices, MMA order
-// and slice sum): bit-identical results, and row invariance as `linear`'s.
+// b - start(m) of blocks[m], looping over m's m-tiles. So every output element is computed with exactly the
+// arithmetic of the unfused `linear` launch (same slices, MMA order and slice sum): bit-identical results, and row
+// invariance as `linear`'s.
 template <int T>
 DEV void linear_multi_entry(const FpLinearMulti& p) {
     u32 b = blockIdx.x;
