@@ -30,6 +30,17 @@ DEV void pdl_start() {
 DEV float bf2f(bf16_t h) { return __uint_as_float(((u32)h) << 16); }
 DEV float bfw(const u64 w, u64 i) { return bf2f(((const bf16_t*)w)[i]); }
 
+// v[u] = f(i0 + stride * u) for the indices below n, else pad: all U loads issued before any value is used (one
+// memory latency for the batch, not one a value).
+template <int U, class F>
+DEV void load_strided(float (&v)[U], u32 i0, u32 stride, u32 n, float pad, F f) {
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        const u32 i = i0 + stride * u;
+        v[u] = i < n ? f(i) : pad;
+    }
+}
+
 // dst[cp * stride + i] = f(i) for i < n and cp < copies, by the block: ROW_U values per thread are loaded before
 // any is stored. The compiler cannot move a load above a store that might alias it, so a plain loop of load-then-
 // store pays one memory latency per value; here it is one per ROW_U values (and the copies share the loads).
@@ -38,11 +49,7 @@ template <class F>
 DEV void block_store_row(float* dst, u32 n, u32 copies, u64 stride, F f) {
     for (u32 i0 = threadIdx.x; i0 < n; i0 += blockDim.x * ROW_U) {
         float v[ROW_U];
-#pragma unroll
-        for (int u = 0; u < ROW_U; u++) {
-            const u32 i = i0 + blockDim.x * u;
-            v[u] = i < n ? f(i) : 0.0f;
-        }
+        load_strided(v, i0, blockDim.x, n, 0.0f, f);
         for (u32 cp = 0; cp < copies; cp++)
 #pragma unroll
             for (int u = 0; u < ROW_U; u++) {

@@ -19,11 +19,7 @@ extern "C" __global__ void rms_norm(const FpRmsNorm p) {
             for (u32 i0 = threadIdx.x; i0 < p.group; i0 += blockDim.x * ROW_U) {
                 // ROW_U loads in flight, then the squares added in the same order as one element at a time.
                 float v[ROW_U];
-#pragma unroll
-                for (int u = 0; u < ROW_U; u++) {
-                    const u32 i = i0 + blockDim.x * u;
-                    v[u] = i < p.group ? x[g0 + i] : 0.0f;
-                }
+                load_strided(v, i0, blockDim.x, p.group, 0.0f, [&](u32 i) { return x[g0 + i]; });
 #pragma unroll
                 for (int u = 0; u < ROW_U; u++)
                     if (i0 + blockDim.x * u < p.group) ss += v[u] * v[u];

@@ -317,11 +317,7 @@ extern "C" __global__ void sample_part(const FpSample p) {
         u32 bi = 0xffffffffu;
         for (u32 b = lo + threadIdx.x; b < hi; b += SAMPLE_HELD * blockDim.x) {
             float v[SAMPLE_HELD];
-#pragma unroll
-            for (int j = 0; j < SAMPLE_HELD; j++) {
-                const u32 i = b + j * blockDim.x;
-                v[j] = i < hi ? keyf(lg[i]) : -INFINITY;
-            }
+            load_strided(v, b, blockDim.x, hi, -INFINITY, [&](u32 i) { return keyf(lg[i]); });
 #pragma unroll
             for (int j = 0; j < SAMPLE_HELD; j++) {
                 const float l = v[j];
@@ -337,11 +333,7 @@ extern "C" __global__ void sample_part(const FpSample p) {
         if (m > -INFINITY && m < INFINITY)
             for (u32 b = lo + threadIdx.x; b < hi; b += SAMPLE_HELD * blockDim.x) {
                 float v[SAMPLE_HELD];
-#pragma unroll
-                for (int j = 0; j < SAMPLE_HELD; j++) {
-                    const u32 i = b + j * blockDim.x;
-                    v[j] = i < hi ? keyf(lg[i]) : 0.0f;
-                }
+                load_strided(v, b, blockDim.x, hi, 0.0f, [&](u32 i) { return keyf(lg[i]); });
 #pragma unroll
                 for (int j = 0; j < SAMPLE_HELD; j++)
                     if (b + j * blockDim.x < hi) zz += exp((double)v[j] - m);
