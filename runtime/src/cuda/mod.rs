@@ -1333,24 +1333,33 @@ impl Worker {
                 })
                 .collect();
             let g = self.capture_graph(specs.iter(), false)?;
-            let mut best = f64::MAX;
-            for _ in 0..3 {
-                // SAFETY: an instantiated graph on our stream.
-                let ms = self.timed(&ev, &|t| {
-                    unsafe { result::graph::launch(g.exec, t.cu()) }
-                        .map_err(dev_err("graph launch"))
-                })?;
-                best = best.min(ms as f64 * 1e3 / copies as f64);
-            }
-            out.push(best);
+            out.push(self.best_per_copy(&ev, &g, copies)?);
         }
         Ok(out)
+    }
+
+    /// Microseconds per copy of a graph of `copies` back-to-back copies of one launch: the best of three replays
+    /// (the node times of [`Self::bench`], [`Self::read_floor`]).
+    fn best_per_copy(
+        &self,
+        ev: &(Event, Event),
+        g: &Graph,
+        copies: u64,
+    ) -> Result<f64, BackendError> {
+        let mut best = f64::MAX;
+        for _ in 0..3 {
+            // SAFETY: an instantiated graph on our stream.
+            let ms = self.timed(ev, &|t| {
+                unsafe { result::graph::launch(g.exec, t.cu()) }.map_err(dev_err("graph launch"))
+            })?;
+            best = best.min(ms as f64 * 1e3 / copies as f64);
+        }
+        Ok(best)
     }
 
     fn bench(&mut self, i: usize, d: &[u8], iters: u32) -> Result<BenchResult, BackendError> {
         let median_us = self.replays(i, d, iters)?;
         let ev = (Event::new()?, Event::new()?);
-        let time = |this: &Self, f: &dyn Fn(&Self) -> Result<(), BackendError>| this.timed(&ev, f);
         let specs = self.specs(i)?;
         let mut per: BTreeMap<String, f64> = BTreeMap::new();
         let mut nodes_us = Vec::with_capacity(specs.len());
@@ -1366,16 +1375,7 @@ impl Worker {
             // here; their own time goes to their kernel.
             let node_us = |sp: &launch::LaunchSpec| -> Result<f64, BackendError> {
                 let g = self.repeat_graph(sp, NODE_REPEATS)?;
-                let mut best = f64::MAX;
-                for _ in 0..3 {
-                    // SAFETY: an instantiated graph on our stream.
-                    let ms = time(self, &|t| {
-                        unsafe { result::graph::launch(g.exec, t.cu()) }
-                            .map_err(dev_err("graph launch"))
-                    })?;
-                    best = best.min(ms as f64 * 1e3 / NODE_REPEATS as f64);
-                }
-                Ok(best)
+                self.best_per_copy(&ev, &g, NODE_REPEATS as u64)
             };
             let best = node_us(sp)?;
             let mut side_us = 0.0;
