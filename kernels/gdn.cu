@@ -28,7 +28,7 @@ extern "C" __global__ void gdn_conv(const FpGdnConv p) {
             }
             // Window of one row: its row is always kept (keep_count: keep = rows), so this thread shifts its
             // channel's conv state here, exactly as gdn_commit would with keep = 1 (gdn_commit is not launched for
-            // such variants: `commit_in_window_one`, runtime/src/cuda/launch.rs). Padding streams (rows 0) write nothing.
+            // such variants: `commit_in_window_one`, runtime/src/cuda/launch/gdn.rs). Padding streams (rows 0) write nothing.
             if (c.window == 1 && st.rows == 1) {
                 float* cs = state_of(c, st.slot, p.state);
                 for (u32 i = 0; i < K1; i++)

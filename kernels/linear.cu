@@ -3,7 +3,7 @@
 // count): each gets the registers its tile needs.
 #include "linear.cuh"
 
-// The tensor-core body (linear.cuh `linear_tc_rows`): K in S = `tc_split(k, n)` slices (from the weight's shape) (runtime/src/cuda/launch.rs),
+// The tensor-core body (linear.cuh `linear_tc_rows`): K in S = `tc_split(k, n)` slices (from the weight's shape) (runtime/src/cuda/launch/linear.rs),
 // one m-tile of 16 features per warp, U = 4 steps of 32 weights in flight per lane (8 in linear_t1_deep).
 template <int T, int U = 4>
 DEV void linear_entry(const FpLinear& p, u32 block, u32 nblocks) {
@@ -11,7 +11,7 @@ DEV void linear_entry(const FpLinear& p, u32 block, u32 nblocks) {
     linear_tc_rows<T, U>(p, total, block, nblocks, (const uint4*)p.c.scratch, LinearStore{});
 }
 extern "C" __global__ void __launch_bounds__(256, 3) linear_t1(const FpLinear p) { pdl_start(); linear_entry<1>(p, blockIdx.x, gridDim.x); }
-// One row with many steps a warp (the lm_head: runtime/src/cuda/launch.rs `linear_entry`): 8 steps of loads in
+// One row with many steps a warp (the lm_head: runtime/src/cuda/launch/linear.rs `linear_entry`): 8 steps of loads in
 // flight, two blocks an SM (the registers they need); the same arithmetic as linear_t1.
 extern "C" __global__ void __launch_bounds__(256, 2) linear_t1_deep(const FpLinear p) { pdl_start(); linear_entry<1, 8>(p, blockIdx.x, gridDim.x); }
 extern "C" __global__ void __launch_bounds__(256, 3) linear_t2(const FpLinear p) { pdl_start(); linear_entry<2>(p, blockIdx.x, gridDim.x); }
@@ -20,7 +20,7 @@ extern "C" __global__ void linear_t8(const FpLinear p) { pdl_start(); linear_ent
 extern "C" __global__ void linear_t16(const FpLinear p) { pdl_start(); linear_entry<16>(p, blockIdx.x, gridDim.x); }
 
 // linear_split, linear_multi_split: the rows' BF16 terms into the scratch (linear.cuh `linear_split_rows`), the
-// first launch of a linear node of two rows or more (runtime/src/cuda/launch.rs).
+// first launch of a linear node of two rows or more (runtime/src/cuda/launch/linear.rs).
 extern "C" __global__ void linear_split(const FpLinear p) {
     pdl_start();
     linear_split_rows(p.c, p.x, p.k, linear_total(p.c, p.sub, p.gathered), p.sub, p.gathered, (uint4*)p.c.scratch);

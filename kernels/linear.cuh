@@ -92,7 +92,7 @@ DEV void tc_step(float (&acc)[3][4], const uint4& w0, const uint4& w1, const flo
 }
 
 // The three BF16 terms of every row of x [total, k] in MMA B-fragment form, for the linears of two rows or more
-// (T >= 2), into `out` (in the node's own scratch; runtime/src/cuda/launch.rs `scratch_elems`): uint4 entry
+// (T >= 2), into `out` (in the node's own scratch; runtime/src/cuda/launch/mod.rs `scratch_elems`): uint4 entry
 // ((i * steps + step) * 4 + q) * 3 + e is term e of `tc_split_x` of x[i, 32 step + 8 q .. + 7] (zeros past k, and
 // for rows that are not real: the zeros linear_tc_rows would load). Done once per launch instead of once per step
 // and m-tile; the MMAs then take the same registers, so the results are the same bits.

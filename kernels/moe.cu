@@ -9,7 +9,7 @@
 //   order); feature-major, so rows routed to one expert read its rows side by side (the repeats from L2);
 // - shared_expert (warp per intermediate feature, tiles of at most 4 rows over blockIdx.y; the sigmoid gate by one
 //   more warp) then shared_expert_down (warp per 2 output features; out = fmaf(gate, down, out)). On the graph's side
-//   branch (runtime/src/cuda/launch.rs `branch_shared_experts`) both run beside the router and the experts' gate/up,
+//   branch (runtime/src/cuda/launch/moe.rs `branch_shared_experts`) both run beside the router and the experts' gate/up,
 //   and experts_down adds the shared expert's dots with the same fmaf.
 // The routed experts are chosen on the device, so one graph serves any routing. Every value's reduction order is
 // fixed by the kernel (lane order, fixed trees, ranks in order): row invariant.
@@ -151,7 +151,7 @@ DEV void router_last_block(const FpRouter& p, u32 R) {
 
 // Entry points per row tile (router_t1 .. router_t8: up to 8 rows in one launch, beyond that tiles of 4 rows over
 // blockIdx.y with router_topk following). router_t1 gives a warp one expert and a lane its 10 chunks of the row
-// (K = 2560 at the real width) in flight at once, 8 experts a block (runtime/src/cuda/launch.rs
+// (K = 2560 at the real width) in flight at once, 8 experts a block (runtime/src/cuda/launch/moe.rs
 // `router_experts_per_block`; H200: 10.9 -> 10.6 us a node); the others a warp MOE_NPW experts, 4 chunks per row in
 // flight. An expert's logit is the same warp_dots sum either way.
 template <int T, int NPW = MOE_NPW, int U = 4>

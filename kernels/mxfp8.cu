@@ -5,7 +5,7 @@
 // Its own body (not linear.cuh's): the decode is integer bit arithmetic and the scale is applied once per 16 codes,
 // so the result is not bit-identical to `linear` on the same values (it matches the CPU twin within the GPU-check
 // tolerance, like every kernel). Row invariant: a row's arithmetic depends only on the weight's shape [n, k] (the
-// launch's split S comes from it: runtime/src/cuda/launch.rs `mx_split`), never on the other rows or their count.
+// launch's split S comes from it: runtime/src/cuda/launch/linear.rs `mx_split`), never on the other rows or their count.
 //
 // Launch (linear's parameters, its own shape): block of 8 warps = 8 / S groups of MX_NPW = 4 output
 // features x S slices of K; grid ceil(n / (4 * 8 / S)). Slice s of K is [s * per, (s + 1) * per) with
@@ -38,7 +38,7 @@
 
 typedef unsigned char u8_t;
 
-// Output features per warp (the launch's grid assumes it: runtime/src/cuda/launch.rs `MX_NPW`).
+// Output features per warp (the launch's grid assumes it: runtime/src/cuda/launch/linear.rs `MX_NPW`).
 #define MX_NPW 4
 
 // One byte through the read-only path (scales: the two lanes of a group read the same byte).

@@ -127,7 +127,7 @@ DEV void hc_norm_group(const float (&xv)[HCN_PER], const float (&nv)[HCN_PER], u
 }
 
 // hc_write (rows.cu) fused with the hc_norm of the hc_read that follows it on the same h (`FLASHPLAN_FUSE_SMALL`,
-// runtime/src/cuda/launch.rs `fuse_hc_norm`): block per (row, hyper-connection) of 256 threads, dim <= HCN_PER * 256.
+// runtime/src/cuda/launch/hc.rs `fuse_hc_norm`): block per (row, hyper-connection) of 256 threads, dim <= HCN_PER * 256.
 // h[r, c*D + d] = h + inj[r, c] * y[r, d] (hc_write_value), then Hn of the new h into scratch exactly as hc_norm
 // writes it (hc_norm_group on the same values): the same bits as hc_write followed by hc_norm. Every load (h, y and
 // the norm weights) is issued before the first store to h, which the compiler could not otherwise move them above
@@ -280,7 +280,7 @@ struct HcMixStore {
 };
 
 // Where hc_mix_split leaves lo's BF16 terms: after Hn [rows, C*D] and lo [rows, rank] in the scratch, 16-byte
-// aligned (runtime/src/cuda/launch.rs `scratch_elems`).
+// aligned (runtime/src/cuda/launch/mod.rs `scratch_elems`).
 DEV uint4* hc_mix_xsplit(const FpHcRead& p, u32 nrows) {
     const u64 at = ((u64)nrows * (p.dim * p.hc + p.rank) + 3) / 4 * 4;
     return (uint4*)(fptr(p.c.scratch) + at);
@@ -294,7 +294,7 @@ extern "C" __global__ void hc_mix_split(const FpHcRead p) {
     linear_split_rows(p.c, lo, p.rank, nrows, 1, p.gathered, hc_mix_xsplit(p, nrows));
 }
 
-// hc_mix_tc_t1 .. _t16: the gates and the mix, S = p.split slices of K (runtime/src/cuda/launch.rs
+// hc_mix_tc_t1 .. _t16: the gates and the mix, S = p.split slices of K (runtime/src/cuda/launch/hc.rs
 // `hc_mix_slices`).
 template <int T>
 DEV void hc_mix_tc_entry(const FpHcRead& p) {

@@ -158,7 +158,7 @@ typedef struct FpHcRead {
     u32 rank;
     u32 gathered;
     float eps;
-    u32 split; /* slices of K (rank) of hc_mix_tc: runtime/src/cuda/launch.rs `tc_split(rank, hc * dim)` */
+    u32 split; /* slices of K (rank) of hc_mix_tc: runtime/src/cuda/launch/hc.rs `hc_mix_slices(hc * dim)` */
 } FpHcRead;
 
 typedef struct FpHcWrite {

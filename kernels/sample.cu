@@ -284,7 +284,7 @@ DEV bool filtered_sampling(const FpStream& st, u32 vocab) {
 // lowest-id maximum, sum exp(l - m_z) (f64) and, for plain temperature, the Gumbel-max; into scratch
 // [items, SAMPLE_PARTS, 8 floats]: {max (f64), gumbel (f64), z (f64), argmax id, gumbel id}.
 #define SAMPLE_PARTS 64
-// `sample` runs in blocks of 1024 threads (runtime/src/cuda/launch.rs) and gives each part one thread.
+// `sample` runs in blocks of 1024 threads (runtime/src/cuda/launch/sample.rs) and gives each part one thread.
 static_assert(SAMPLE_PARTS <= 1024, "sample reads one part a thread");
 // Logits a thread of sample_part holds at once (in registers).
 #define SAMPLE_HELD 16

@@ -378,7 +378,7 @@ fn fixture_checks(name: &str, dir: &Path, expected: &Path, rep: &mut Report) {
         "bit-identical rows".into(),
     );
 
-    // Grids in one wave (runtime/src/cuda/launch.rs `one_wave`: the one- and two-row linears, the one-row experts'
+    // Grids in one wave (runtime/src/cuda/launch/linear.rs `one_wave`: the one- and two-row linears, the one-row experts'
     // gate/up) sized as for a GPU of one SM: every block then loops over many m-tiles and experts' items. Which block
     // does a piece of work must never change a bit.
     let mut identical = true;

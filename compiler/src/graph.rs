@@ -424,7 +424,7 @@ impl<'a> Builder<'a> {
 
     /// The PLE layer `i`'s n-gram embedding and its key and value projections (section 8): they read only the
     /// window's tokens and the n-gram history, so `main_forward` emits them before layer 0 (the CUDA backend runs
-    /// them beside layer 0 on its side stream: runtime/src/cuda/launch.rs `branch_ple_prep`). Returns (key, value).
+    /// them beside layer 0 on its side stream: runtime/src/cuda/launch/ple.rs `branch_ple_prep`). Returns (key, value).
     fn ple_prep(&mut self, i: usize, ple_index: u32) -> R<(BufId, BufId)> {
         let cfg = self.cfg;
         let p = format!("layers.{i}.ple");

@@ -1,0 +1,206 @@
+//! Sparse attention layers (kernels/attn.cu): q/k/v preparation with RoPE into the caches, the indexer's scores and
+//! block selection, the attention over the selected blocks, and the commit of the pooled keys.
+
+use flashplan_plan::{Op, Variant};
+
+use super::*;
+use crate::cuda::params::*;
+
+/// Tokens per chunk of `sparse_attn` (`SA_CHUNK` in `kernels/attn.cu`).
+pub(super) const SA_CHUNK: u32 = 32;
+
+/// Parameters and launches of a sparse-attention node (`AttnPrep`, `IndexerPrep`, `IndexerSelect`, `SparseAttn`,
+/// `IndexerCommit`).
+pub(super) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, BackendError> {
+    let (streams, window) = v.kind.shape();
+    let rows = streams * window;
+    let c = a.common;
+    let half = a.rope_cfg.inv_freq.len() as u32;
+    let af = a.rope_cfg.attention_factor;
+    Ok(match op {
+        Op::AttnPrep {
+            q_raw,
+            k_raw,
+            v_raw,
+            q_norm,
+            k_norm,
+            q,
+            gate,
+            k_cache,
+            v_cache,
+            heads,
+            kv_heads,
+            hd,
+            eps,
+            ..
+        } => {
+            if *hd > 512 {
+                return Err(BackendError::Device("attn_prep: hd > 512".into()));
+            }
+            let p = FpAttnPrep {
+                c,
+                q_raw: a.buf(v, *q_raw),
+                k_raw: a.buf(v, *k_raw),
+                v_raw: a.buf(v, *v_raw),
+                q_norm: a.w(*q_norm)?,
+                k_norm: a.w(*k_norm)?,
+                q: a.buf(v, *q),
+                gate: a.buf(v, *gate),
+                rope: a.rope,
+                k_cache: a.st(*k_cache),
+                v_cache: a.st(*v_cache),
+                heads: *heads,
+                kv_heads: *kv_heads,
+                hd: *hd,
+                rot_half: half,
+                attn_factor: af,
+                eps: *eps,
+            };
+            // A warp per head: the heads of a row spread over blockIdx.y (one block per 8 heads).
+            LaunchSpec::new(
+                "attn_prep",
+                bytes(&p),
+                (rows.max(1), (*heads + *kv_heads).div_ceil(8), 1),
+                256,
+            )
+        }
+        Op::IndexerPrep {
+            qk,
+            q_norm,
+            q_out,
+            raw_keys,
+            ih,
+            id,
+            eps,
+            ..
+        } => {
+            let p = FpIndexerPrep {
+                c,
+                qk: a.buf(v, *qk),
+                q_norm: a.w(*q_norm)?,
+                q_out: a.buf(v, *q_out),
+                rope: a.rope,
+                raw_keys: a.st(*raw_keys),
+                ih: *ih,
+                id: *id,
+                rot_half: half,
+                attn_factor: af,
+                eps: *eps,
+                pad: 0,
+            };
+            one("indexer_prep", bytes(&p), rows, 256)
+        }
+        Op::IndexerSelect {
+            q,
+            k_norm,
+            raw_keys,
+            pooled,
+            sel,
+            ih,
+            id,
+            ratio,
+            topk,
+            eps,
+            ..
+        } => {
+            let p = FpIndexerSelect {
+                c,
+                q: a.buf(v, *q),
+                k_norm: a.w(*k_norm)?,
+                sel: a.buf(v, *sel),
+                rope: a.rope,
+                raw_keys: a.st(*raw_keys),
+                pooled: a.st(*pooled),
+                ih: *ih,
+                id: *id,
+                rot_half: half,
+                ratio: *ratio,
+                topk: *topk,
+                nb_max: (a.body.state.context / *ratio as u64 + 1) as u32,
+                attn_factor: af,
+                eps: *eps,
+            };
+            if *ih * *id > 4096 || *id > 512 {
+                return Err(BackendError::Device(format!(
+                    "indexer_select: {ih} heads of {id} (at most 4096 values, id <= 512) is not supported"
+                )));
+            }
+            let chunks = p.nb_max.div_ceil(16);
+            LaunchSpec::new("indexer_score", bytes(&p), (rows, chunks, 1), 256).then(
+                "indexer_select",
+                rows,
+                1024,
+            )
+        }
+        Op::SparseAttn {
+            q,
+            gate,
+            sel,
+            k_cache,
+            v_cache,
+            out,
+            heads,
+            kv_heads,
+            hd,
+            ratio,
+            topk,
+        } => {
+            let p = FpSparseAttn {
+                c,
+                q: a.buf(v, *q),
+                gate: a.buf(v, *gate),
+                sel: a.buf(v, *sel),
+                out: a.buf(v, *out),
+                k_cache: a.st(*k_cache),
+                v_cache: a.st(*v_cache),
+                heads: *heads,
+                kv_heads: *kv_heads,
+                hd: *hd,
+                ratio: *ratio,
+                topk: *topk,
+                max_tokens: (*topk + 1) * *ratio,
+            };
+            let g = heads / kv_heads.max(&1);
+            let nsplit = p.max_tokens.div_ceil(SA_CHUNK);
+            if g > 16 || g * hd > 8192 || nsplit > 256 || heads % kv_heads.max(&1) != 0 {
+                return Err(BackendError::Device(format!(
+                    "sparse_attn: {heads} heads over {kv_heads} kv heads of {hd} with {} tokens is not supported \
+                     (at most 16 heads per kv head, 8192 query values per kv head, 256 chunks)",
+                    p.max_tokens
+                )));
+            }
+            LaunchSpec::new("sparse_attn", bytes(&p), (rows, *kv_heads, nsplit), 256).then(
+                "sparse_attn_combine",
+                rows * heads,
+                256,
+            )
+        }
+        Op::IndexerCommit {
+            raw_keys,
+            pooled,
+            k_norm,
+            keep,
+            id,
+            ratio,
+            eps,
+            ..
+        } => {
+            let p = FpIndexerCommit {
+                c,
+                k_norm: a.w(*k_norm)?,
+                keep: a.keep(v, keep),
+                rope: a.rope,
+                raw_keys: a.st(*raw_keys),
+                pooled: a.st(*pooled),
+                id: *id,
+                rot_half: half,
+                ratio: *ratio,
+                attn_factor: af,
+                eps: *eps,
+                pad: 0,
+            };
+            one("indexer_commit", bytes(&p), streams, 256)
+        }
+        _ => return Err(wrong_op("attention", op)),
+    })
+}

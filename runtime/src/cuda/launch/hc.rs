@@ -1,0 +1,223 @@
+//! Hyper-connections (kernels/norm.cu, kernels/rows.cu): the read (`hc_norm`, the down and inject dots, the
+//! gates on tensor cores and the mix), the write, and `FLASHPLAN_FUSE_SMALL`'s write that also normalizes for the
+//! next read.
+
+use flashplan_plan::{Op, Variant};
+
+use super::linear::{split_grid, tc_features_per_block};
+use super::*;
+use crate::cuda::params::*;
+
+/// `hc_read`'s down/inject entry points per row tile, up to 4 rows (kernels/norm.cu).
+const HC_READ: ByRows = &["hc_read_t1", "hc_read_t2", "hc_read_t4"];
+
+/// `hc_read`'s down/inject launch (kernels/norm.cu): its entry point, outputs per block and tiles of rows over
+/// `blockIdx.y`. Up to 4 rows 2 outputs per block ([`HC_READ`]); beyond, `hc_read_t4_wide` with 4 outputs per
+/// block in tiles of 4 rows, so each block reads its rows of Hn for twice the outputs (H200, lone-w8 1977 -> 1931 us,
+/// lone-w16 2933 -> 2899 us; at 4 rows, one tile, the halved grid was slower: 1496 -> 1507 us). An output's
+/// arithmetic is the same in every entry point (row invariance).
+fn hc_read_launch(nrows: u32) -> (&'static str, u32, u32) {
+    if nrows > 4 {
+        ("hc_read_t4_wide", 4, nrows.div_ceil(4))
+    } else {
+        let (read, tiles) = by_row_tiles(HC_READ, nrows);
+        (read, 2, tiles)
+    }
+}
+
+/// `hc_mix_tc` entry points per row tile: the gates on tensor cores and the mix (kernels/norm.cu).
+const HC_MIX_TC: ByRows = &[
+    "hc_mix_tc_t1",
+    "hc_mix_tc_t2",
+    "hc_mix_tc_t4",
+    "hc_mix_tc_t8",
+    "hc_mix_tc_t16",
+];
+
+/// Slices of K (the rank) of `hc_mix_tc` (kernels/norm.cu), from the number of gates alone (so every row count
+/// sums in the same order): the fewest of 1, 2, 4, 8 that give the launch at least 264 blocks (2 per SM of the
+/// H200; a block is 8 / S m-tiles of 16 gates), else 8. Measured on the H200 with the real shape (10240 gates of
+/// rank 320; lone-w1 / lone-w16 replay): 4 slices 1052 / 3142 us, 2 slices 1052 / 3143, 1 slice 1057 / 3178,
+/// 8 slices 1092 / 3168.
+pub(crate) fn hc_mix_slices(gates: u32) -> u32 {
+    const LEAST_BLOCKS: u32 = 264;
+    [1, 2, 4, 8]
+        .into_iter()
+        .find(|&s| gates.div_ceil(16 * 8 / s) >= LEAST_BLOCKS)
+        .unwrap_or(8)
+}
+
+/// Elements of one hyper-connection group that `hc_write_norm` holds per block of 256 threads (`HCN_PER` x 256,
+/// kernels/norm.cu).
+const HC_NORM_MOST_DIM: u32 = 16 * 256;
+
+/// The `HcRead` node's launches: `hc_norm` (with `norm`; without it the previous `hc_write_norm` has written Hn),
+/// then hc_read (down and inject dots, row tiles over `blockIdx.y` beyond 4 rows), then from two rows on
+/// hc_mix_split (lo's BF16 terms) and hc_mix_tc (the gates on tensor cores and the mix: kernels/norm.cu).
+pub(super) fn hc_read_spec(
+    a: &Addrs,
+    v: &Variant,
+    op: &Op,
+    norm: bool,
+) -> Result<LaunchSpec, BackendError> {
+    let Op::HcRead {
+        h,
+        norm: norm_w,
+        down,
+        up,
+        inject,
+        out,
+        dim,
+        hc,
+        rank,
+        eps,
+    } = op
+    else {
+        return Err(wrong_op("hc_read", op));
+    };
+    let (streams, window) = v.kind.shape();
+    let rows = streams * window;
+    if !crate::cuda::weights::hc_mix_on_tensor_cores(*hc) {
+        return Err(BackendError::Device(format!(
+            "hc_read: {hc} hyper-connections is not supported (1, 2, 4, 8 or 16: the gates' tiles of 16 rows hold \
+             whole features)"
+        )));
+    }
+    let gates = hc
+        .checked_mul(*dim)
+        .ok_or_else(|| BackendError::Device(format!("hc_read: {hc} x {dim} gates overflow u32")))?;
+    let gathered = hc_read_gathered(v, op);
+    let (inject, inj) = match inject {
+        Some((w, b)) => (a.w(*w)?, a.buf(v, *b)),
+        None => (0, 0),
+    };
+    let p = FpHcRead {
+        c: a.common,
+        h: a.buf(v, *h),
+        norm: a.w(*norm_w)?,
+        down: a.w(*down)?,
+        up: a.w(*up)?,
+        inject,
+        inj,
+        out: a.buf(v, *out),
+        dim: *dim,
+        hc: *hc,
+        rank: *rank,
+        gathered: gathered as u32,
+        eps: *eps,
+        split: hc_mix_slices(gates),
+    };
+    let outs = *rank + if p.inject != 0 { *hc } else { 0 };
+    let nrows = if gathered { streams } else { rows };
+    let (read, npw, tiles) = hc_read_launch(nrows);
+    let params = bytes(&p);
+    let spec = if norm {
+        LaunchSpec::new("hc_norm", params, (nrows * *hc, 1, 1), 256).then_grid(
+            read,
+            (outs.div_ceil(npw), tiles, 1),
+            256,
+        )
+    } else {
+        LaunchSpec::new(read, params, (outs.div_ceil(npw), tiles, 1), 256)
+    };
+    let spec = if nrows >= 2 {
+        spec.then("hc_mix_split", split_grid(nrows, *rank), 256)
+    } else {
+        spec
+    };
+    Ok(spec.then(
+        by_rows(HC_MIX_TC, nrows),
+        gates.div_ceil(tc_features_per_block(p.split)),
+        256,
+    ))
+}
+
+/// Whether an `HcRead` reads only each stream's last row (its `h` holds one row per stream).
+pub(super) fn hc_read_gathered(v: &Variant, op: &Op) -> bool {
+    let (streams, window) = v.kind.shape();
+    match op {
+        Op::HcRead { h, dim, hc, .. } => {
+            v.buf(*h).elems < (streams * window) as u64 * (*dim as u64 * *hc as u64)
+        }
+        _ => false,
+    }
+}
+
+/// The `HcWrite` node's launch: `hc_write` (thread per element), or with `norm` = (the next hc_read's `hc_norm`
+/// weight address, its eps) `hc_write_norm` (block per (row, hyper-connection)), which also writes that read's Hn.
+pub(super) fn hc_write_spec(
+    a: &Addrs,
+    v: &Variant,
+    op: &Op,
+    norm: Option<(u64, f32)>,
+) -> Result<LaunchSpec, BackendError> {
+    let Op::HcWrite { h, y, inj, dim, hc } = op else {
+        return Err(wrong_op("hc_write", op));
+    };
+    let (streams, window) = v.kind.shape();
+    let rows = streams * window;
+    let p = FpHcWrite {
+        c: a.common,
+        h: a.buf(v, *h),
+        y: a.buf(v, *y),
+        inj: a.buf(v, *inj),
+        dim: *dim,
+        hc: *hc,
+        norm: norm.map_or(0, |n| n.0),
+        eps: norm.map_or(0.0, |n| n.1),
+        pad: 0,
+    };
+    Ok(match norm {
+        Some(_) => LaunchSpec::new("hc_write_norm", bytes(&p), ((rows * *hc).max(1), 1, 1), 256),
+        None => {
+            let elems = rows as u64 * *dim as u64 * *hc as u64;
+            LaunchSpec::new(
+                "hc_write",
+                bytes(&p),
+                (elems.div_ceil(1024).clamp(1, 4096) as u32, 1, 1),
+                256,
+            )
+        }
+    })
+}
+
+/// `FLASHPLAN_FUSE_SMALL`: an `HcWrite` followed by the `HcRead` of the same `h` (same width, every row, groups of
+/// at most `HC_NORM_MOST_DIM`) becomes `hc_write_norm` + the read without its `hc_norm` launch: one launch fewer,
+/// the same bits (kernels/norm.cu `hc_norm_group` in both). Every layer's MoE read and the next layer's mixer read
+/// follow a write; the first layer's and the PLE layer's do not.
+pub(super) fn fuse_hc_norm(
+    a: &Addrs,
+    v: &Variant,
+    out: &mut [Option<LaunchSpec>],
+) -> Result<(), BackendError> {
+    for i in 0..v.nodes.len().saturating_sub(1) {
+        let (w, r) = (&v.nodes[i].op, &v.nodes[i + 1].op);
+        let (
+            Op::HcWrite { h, dim, hc, .. },
+            Op::HcRead {
+                h: h2,
+                dim: d2,
+                hc: c2,
+                norm,
+                eps,
+                ..
+            },
+        ) = (w, r)
+        else {
+            continue;
+        };
+        if h != h2
+            || dim != d2
+            || hc != c2
+            || *dim > HC_NORM_MOST_DIM
+            || hc_read_gathered(v, r)
+            || out[i].is_none()
+            || out[i + 1].is_none()
+        {
+            continue;
+        }
+        out[i] = Some(hc_write_spec(a, v, w, Some((a.w(*norm)?, *eps)))?);
+        out[i + 1] = Some(hc_read_spec(a, v, r, false)?);
+    }
+    Ok(())
+}

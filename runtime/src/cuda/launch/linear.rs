@@ -1,0 +1,319 @@
+//! Linear layers: the BF16 tensor-core `linear` (kernels/linear.cuh) by row tile, its fused run of sibling
+//! matrices (`linear_multi`), the row split that feeds them from two rows on, the MXFP8 `linear_mxfp8`
+//! (kernels/mxfp8.cu), the one-wave grids, and the benchmarks' `read_floor`.
+
+use flashplan_plan::{Op, Variant};
+
+use super::*;
+use crate::cuda::params::*;
+
+/// The BF16 `linear` entry points per row tile (kernels/linear.cu).
+const LINEAR: ByRows = &[
+    "linear_t1",
+    "linear_t2",
+    "linear_t4",
+    "linear_t8",
+    "linear_t16",
+];
+
+/// Work items of `linear_split_rows` (kernels/linear.cuh) over `rows` rows of `k` inputs: one per (row, step of 32,
+/// quarter of a step), each leaving 3 x 16 bytes ([`SPLIT_ITEM_ELEMS`] scratch elements).
+pub(super) fn split_items(rows: u64, k: u32) -> u64 {
+    rows * k.div_ceil(32) as u64 * 4
+}
+
+/// Scratch elements (4 bytes) one [`split_items`] item writes: three BF16x2 uint4 fragments.
+pub(super) const SPLIT_ITEM_ELEMS: u64 = 12;
+
+/// Blocks of 256 threads for `linear_split_rows` over `rows` rows of `k` inputs (a thread per item).
+pub(super) fn split_grid(rows: u32, k: u32) -> u32 {
+    (split_items(rows as u64, k).div_ceil(256) as u32).max(1)
+}
+
+/// Output features per block of `linear_tc_rows` with `split` slices of K: 8 / split m-tiles of 16.
+pub(super) fn tc_features_per_block(split: u32) -> u32 {
+    16 * (8 / split)
+}
+
+/// Slices of K for the tensor-core linear (`linear_tc_rows` in `kernels/linear.cuh`), from the weight's shape
+/// `[n, k]` alone (so every row count sums in the same order: row invariance). K runs in steps of 32 values; the
+/// fewest of 1, 2, 4, 8 slices that leave each warp at most 40 steps and give the launch at least 528 blocks (4 per
+/// SM of the H200; a block is 8 / S m-tiles of 16 features), else 8. Measured on the H200 (lone-w1): the 248k-row
+/// lm_head is fastest with 2 slices (315 us against 347 with 8), the 10k-16k-row projections with 8 (156 us for a
+/// replay's four fused runs against 163 with 2 and 189 with 4).
+pub(crate) fn tc_split(k: u32, n: u32) -> u32 {
+    const MOST_STEPS: u32 = 40;
+    const LEAST_BLOCKS: u64 = 528;
+    let steps = k.div_ceil(32);
+    [1, 2, 4, 8]
+        .into_iter()
+        .find(|&s| {
+            steps.div_ceil(s) <= MOST_STEPS
+                && (n as u64).div_ceil(16 * 8 / s as u64) >= LEAST_BLOCKS
+        })
+        .unwrap_or(8)
+}
+
+/// `linear_mxfp8` entry points per row tile (kernels/mxfp8.cu).
+const LINEAR_MXFP8: ByRows = &[
+    "linear_mxfp8_t1",
+    "linear_mxfp8_t2",
+    "linear_mxfp8_t4",
+    "linear_mxfp8_t8",
+    "linear_mxfp8_t16",
+];
+
+/// Output features per warp group of `linear_mxfp8` (`MX_NPW` in kernels/mxfp8.cu), at every row tile.
+pub(super) const MX_NPW: u32 = 4;
+
+/// Slices of K for `linear_mxfp8` (kernels/mxfp8.cu: slices of whole scale groups, each lane reading 16 codes at a
+/// time, a warp 512 per pass): the fewest of 1, 2, 4, 8 that leave each lane at most 8 chunks of 16 codes per
+/// weight row and give the launch at least 256 blocks (a weight with few rows splits K rather than leave SMs idle),
+/// else 8. A function of the weight's shape `[n, k]` alone, so every row count gets the same slices (row
+/// invariance).
+pub(crate) fn mx_split(k: u32, n: u32) -> u32 {
+    let passes = k.div_ceil(512);
+    [1, 2, 4, 8]
+        .into_iter()
+        .find(|&s| passes.div_ceil(s) <= 8 && n.div_ceil(MX_NPW * (8 / s)) >= 256)
+        .unwrap_or(8)
+}
+
+/// A `Linear` node whose weight is held as MXFP8 (issue 8): `linear_mxfp8` (kernels/mxfp8.cu) with `linear`'s
+/// parameters (`p.w` is the codes' address) and row tile, its own split of K ([`mx_split`]) and grid (blocks of
+/// 8 / split groups of [`MX_NPW`] features; the kernel strides over its grid).
+fn linear_mxfp8(p: &FpLinear, scales: u64, total: u32) -> LaunchSpec {
+    let split = mx_split(p.k, p.n);
+    let grid = p.n.div_ceil(MX_NPW * (8 / split));
+    let m = FpLinearMxfp8 {
+        c: p.c,
+        x: p.x,
+        codes: p.w,
+        scales,
+        out: p.out,
+        k: p.k,
+        n: p.n,
+        sub: p.sub,
+        accumulate: p.accumulate,
+        gathered: p.gathered,
+        split,
+    };
+    LaunchSpec::new(
+        by_rows(LINEAR_MXFP8, total),
+        bytes(&m),
+        (grid.max(1), 1, 1),
+        256,
+    )
+}
+
+/// A `Linear` node's parameters, its launch's row count (sub-rows: `total`) and output features per block of
+/// `linear` (kernels/linear.cuh `linear_tc_rows`: a block of 8 warps = 8 / split m-tiles of 16 features, each over
+/// `split` = [`tc_split`] slices of K).
+pub(super) fn linear_params(
+    a: &Addrs,
+    v: &Variant,
+    op: &Op,
+) -> Result<(FpLinear, u32, u32), BackendError> {
+    let Op::Linear {
+        x,
+        w,
+        out,
+        k,
+        n,
+        sub,
+        accumulate,
+    } = op
+    else {
+        return Err(wrong_op("linear", op));
+    };
+    let (streams, window) = v.kind.shape();
+    let gathered = fuse::linear_gathered(v, *x, *k, *sub);
+    let p = FpLinear {
+        c: a.common,
+        x: a.buf(v, *x),
+        w: a.w(*w)?,
+        out: a.buf(v, *out),
+        k: *k,
+        n: *n,
+        sub: *sub,
+        accumulate: *accumulate as u32,
+        gathered: gathered as u32,
+        split: tc_split(*k, *n),
+    };
+    let total = if gathered { streams } else { streams * window } * *sub;
+    let per_block = tc_features_per_block(p.split);
+    Ok((p, total, per_block))
+}
+
+/// Blocks of `linear_t1`, `linear_t2`, `linear_multi_t1` and `linear_multi_t2` resident on one SM (their
+/// `__launch_bounds__(256, 3)`).
+pub(super) const LINEAR_T1_BLOCKS_PER_SM: u32 = 3;
+
+/// A grid of `blocks` cut to the blocks that fit on the GPU at once (`per_sm` on each of `sms` SMs), for kernels
+/// whose blocks loop over their work (grid-stride), so the launch runs in one wave: no block waits for a slot and
+/// no block repeats its set-up (a lone row's split into shared memory, the top of the first loads). Which block does
+/// a piece of work never changes its arithmetic. `sms` = 0 (unknown) keeps the grid.
+pub(super) fn one_wave(blocks: u32, per_sm: u32, sms: u32) -> u32 {
+    if sms == 0 {
+        blocks
+    } else {
+        blocks.min(per_sm * sms).max(1)
+    }
+}
+
+/// Cuts the blocks of several matrices' shares of one grid to about `cap` in all, each share in proportion; returns
+/// the new grid. Every share keeps at least one block, so shares of a block or two may take the sum a few blocks past
+/// `cap` (a second wave of those few, never a wrong result). Unchanged when they fit.
+pub(super) fn one_wave_shares(blocks: &mut [u32], cap: u32) -> u32 {
+    let whole: u64 = blocks.iter().map(|&b| b as u64).sum();
+    if whole > cap as u64 {
+        for b in blocks.iter_mut() {
+            *b = (*b as u64 * cap as u64 / whole).max(1) as u32;
+        }
+    }
+    blocks.iter().sum()
+}
+
+/// Steps of 32 inputs per warp from which a one-row `linear` keeps 8 steps of loads in flight
+/// (`linear_t1_deep`, two blocks an SM) instead of 4: the lm_head (2560 inputs in 2 slices: 40 steps). H200, the
+/// lm_head at one row: 304.5 -> 300.7 us, lone-w1 954 -> 949 us; the GDN projections (10 steps a warp) and the
+/// output projections (24) were slower with it (27.4 -> 29.3 us, 11.2 -> 11.7 us).
+pub(super) const DEEP_STEPS: u32 = 32;
+
+/// The entry point of a `Linear` launch of `total` rows over `k` inputs in `split` slices: by row tile
+/// ([`LINEAR`]), and for one row with at least [`DEEP_STEPS`] steps a warp, `linear_t1_deep`. The same
+/// arithmetic either way (the steps in flight never change a value).
+pub(super) fn linear_entry(total: u32, k: u32, split: u32) -> &'static str {
+    if total == 1 && k.div_ceil(32).div_ceil(split.max(1)) >= DEEP_STEPS {
+        "linear_t1_deep"
+    } else {
+        by_rows(LINEAR, total)
+    }
+}
+
+/// `linear_multi` entry points per row tile (kernels/linear.cu).
+const LINEAR_MULTI: ByRows = &[
+    "linear_multi_t1",
+    "linear_multi_t2",
+    "linear_multi_t4",
+    "linear_multi_t8",
+    "linear_multi_t16",
+];
+
+/// One `linear_multi` launch for a run of sibling BF16 `Linear` nodes (`fuse::launch_groups`: same x, k and sub,
+/// outputs apart from x and from each other, at most `FP_MAX_LINEARS`). Matrix m gets `blocks[m]` = the grid of its
+/// own `linear` launch (at one or two rows a proportional share of one wave: [`one_wave_shares`]); its blocks loop
+/// over its m-tiles, and the row tile and split of K are those of every node of the run, so each output is
+/// bit-identical to the unfused launch.
+pub(super) fn linear_multi(
+    a: &Addrs,
+    v: &Variant,
+    ops: &[&Op],
+) -> Result<LaunchSpec, BackendError> {
+    if ops.is_empty() || ops.len() > FP_MAX_LINEARS {
+        return Err(BackendError::Device(format!(
+            "linear_multi: {} linears (1 ..= {FP_MAX_LINEARS})",
+            ops.len()
+        )));
+    }
+    let mut m = FpLinearMulti {
+        count: ops.len() as u32,
+        ..Default::default()
+    };
+    let (mut total, mut grid) = (0, 0);
+    for (i, op) in ops.iter().enumerate() {
+        let (p, t, per_block) = linear_params(a, v, op)?;
+        if i > 0 && (p.x != m.x || p.k != m.k || p.sub != m.sub || p.split != m.split || t != total)
+        {
+            return Err(BackendError::Device(
+                "linear_multi: the linears of a run differ in x, k, split of K or rows".into(),
+            ));
+        }
+        (m.c, m.x, m.k, m.sub, m.gathered, m.split) = (p.c, p.x, p.k, p.sub, p.gathered, p.split);
+        m.w[i] = p.w;
+        m.out[i] = p.out;
+        m.n[i] = p.n;
+        m.accumulate[i] = p.accumulate;
+        m.blocks[i] = p.n.div_ceil(per_block).max(1);
+        grid += m.blocks[i];
+        total = t;
+    }
+    // One or two rows: the grid in one wave (`one_wave`), each matrix keeping its share of the blocks (its blocks
+    // loop over its m-tiles). H200, lone-w1: the GDN projections' launch (1030 blocks, 396 resident) 27.9 -> 25.8
+    // us, `linear_multi_t1` 131.8 -> 121.9 us a replay; lone-w2 1100 -> 1092-1094 us.
+    if total <= 2 {
+        grid = one_wave_shares(
+            &mut m.blocks[..ops.len()],
+            one_wave(grid, LINEAR_T1_BLOCKS_PER_SM, a.sms),
+        );
+    }
+    Ok(with_split(
+        "linear_multi_split",
+        by_rows(LINEAR_MULTI, total),
+        bytes(&m),
+        total,
+        m.k,
+        grid,
+    ))
+}
+
+/// The launch of a BF16 linear (`kernel`, grid of `grid` blocks) over `total` rows of x with `k` inputs: from two
+/// rows on, `split` (`linear_split` or `linear_multi_split`, same parameters) first leaves the rows' BF16 terms in
+/// the scratch ([`scratch_elems`]) for `linear_tc_rows` to read instead of splitting them at every step and m-tile.
+pub(super) fn with_split(
+    split: &'static str,
+    kernel: &'static str,
+    params: Vec<u8>,
+    total: u32,
+    k: u32,
+    grid: u32,
+) -> LaunchSpec {
+    if total < 2 {
+        return LaunchSpec::new(kernel, params, (grid.max(1), 1, 1), 256);
+    }
+    LaunchSpec::new(split, params, (split_grid(total, k), 1, 1), 256).then(kernel, grid, 256)
+}
+
+/// Blocks of 256 threads of `read_floor` per SM: a full SM (its `__launch_bounds__(256, 8)`).
+const READ_FLOOR_BLOCKS_PER_SM: u32 = 8;
+
+/// A `read_floor` launch (kernels/rows.cu, benchmarks only) on a GPU of `sms` SMs, one full wave: reads `len` bytes
+/// from `src`; `out` takes the one store that never happens in practice.
+pub(crate) fn read_floor_spec(src: u64, len: u64, out: u64, sms: u32) -> LaunchSpec {
+    let p = FpReadFloor {
+        src,
+        bytes: len,
+        out,
+        never: 0x9e37_79b9,
+        pad: 0,
+    };
+    let grid = READ_FLOOR_BLOCKS_PER_SM * sms.max(1);
+    LaunchSpec::new("read_floor", bytes(&p), (grid, 1, 1), 256)
+}
+
+/// Parameters and launch of a `Linear` node: `linear_mxfp8` when its weight is held as MXFP8, else the BF16
+/// `linear` entry point of its rows (one wave at one or two rows), after the row split from two rows on.
+pub(super) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, BackendError> {
+    let Op::Linear { w, n, .. } = op else {
+        return Err(wrong_op("linear", op));
+    };
+    let (p, total, per_block) = linear_params(a, v, op)?;
+    if let Some(&scales) = a.mxfp8_scales.get(w.0 as usize).filter(|&&s| s != 0) {
+        return Ok(linear_mxfp8(&p, scales, total));
+    }
+    let entry = linear_entry(total, p.k, p.split);
+    let mut grid = n.div_ceil(per_block);
+    if total <= 2 && entry != "linear_t1_deep" {
+        // As `linear_multi` at one or two rows: one wave (the lm_head's `linear_t1_deep` in one wave of 264 blocks
+        // was slower: 300.8 -> 302.8 us).
+        grid = one_wave(grid, LINEAR_T1_BLOCKS_PER_SM, a.sms);
+    }
+    Ok(with_split(
+        "linear_split",
+        entry,
+        bytes(&p),
+        total,
+        p.k,
+        grid,
+    ))
+}

@@ -1,0 +1,285 @@
+//! Mixture of experts (kernels/moe.cu): the router with its top-k, the routed experts (gate/up, then down) and the
+//! shared expert, which runs on the graph's side branch beside the router.
+
+use flashplan_plan::{Op, Variant};
+
+use super::linear::one_wave;
+use super::*;
+use crate::cuda::params::*;
+
+/// The router's logits entry points per row tile (kernels/moe.cu; beyond 8 rows, tiles of 4 with `router_topk`).
+const ROUTER: ByRows = &["router_t1", "router_t2", "router_t4", "router_t8"];
+
+/// The shared expert's gate/up entry points per row tile (kernels/moe.cu).
+const SHARED_EXPERT: ByRows = &["shared_expert_t1", "shared_expert_t2", "shared_expert_t4"];
+
+/// The shared expert's down entry points per row tile (kernels/moe.cu).
+const SHARED_EXPERT_DOWN: ByRows = &[
+    "shared_expert_down_t1",
+    "shared_expert_down_t2",
+    "shared_expert_down_t4",
+];
+
+/// Block size of `router_topk` (`ROUTER_TOPK_THREADS` in `kernels/moe.cu`: the softmax's block trees, which the
+/// fused router's warp per row reproduces).
+const ROUTER_TOPK_THREADS: u32 = 1024;
+
+/// Most rows for which the router runs as one launch (`FLASHPLAN_FUSE_SMALL`): its last block's 8 warps do the
+/// top-k of every row, one row per warp up to 8 rows. Measured on the H200: faster at one row (46 against 58 us
+/// for the replay's four routers), slower at 16 rows (238 against 218 us), where `router_topk`'s block per row
+/// follows instead.
+const ROUTER_ONE_LAUNCH_ROWS: u32 = 8;
+
+/// Most routed experts per row (`MOE_MAX_TOPK` in `kernels/moe.cu`).
+const MOE_MAX_TOPK: u32 = 32;
+
+/// Router experts per block of 8 warps for the logits entry point `logits` (kernels/moe.cu): a warp takes one
+/// expert in `router_t1`, `MOE_NPW` = 2 in the others.
+fn router_experts_per_block(logits: &str) -> u32 {
+    if logits == "router_t1" {
+        8
+    } else {
+        16
+    }
+}
+
+/// Blocks of `experts` (the gate/up) resident on one SM: 256 threads of 128 registers (what ptxas gives it; it has no
+/// launch bound, and `__launch_bounds__(256, 2)` changed its code, unmeasured) fill half the register file. Were the
+/// compiler to give it more, the grid would take two waves: slower, the same results.
+pub(super) const EXPERTS_BLOCKS_PER_SM: u32 = 2;
+
+/// The `Experts` node's launches: `experts` (the gate/up, thread per pair of features of a (row, rank)), then
+/// `experts_down` (warp per (output feature, row)); `shared`: 0, or the side branch's shared-expert gates, its down
+/// dots following, for `experts_down` to add ([`branch_shared_experts`]).
+pub(super) fn experts_spec(
+    a: &Addrs,
+    v: &Variant,
+    op: &Op,
+    shared: u64,
+) -> Result<LaunchSpec, BackendError> {
+    let Op::Experts {
+        x,
+        ids,
+        weights,
+        gate_up,
+        down,
+        out,
+        topk,
+        dim,
+        inter,
+    } = op
+    else {
+        return Err(wrong_op("experts", op));
+    };
+    let (streams, window) = v.kind.shape();
+    let rows = streams * window;
+    let p = FpExperts {
+        c: a.common,
+        x: a.buf(v, *x),
+        ids: a.buf(v, *ids),
+        weights: a.buf(v, *weights),
+        gate_up: a.w(*gate_up)?,
+        down: a.w(*down)?,
+        out: a.buf(v, *out),
+        topk: *topk,
+        dim: *dim,
+        inter: *inter,
+        pad: 0,
+        shared,
+    };
+    if *topk > MOE_MAX_TOPK {
+        return Err(BackendError::Device(format!(
+            "experts: top-{topk} is not supported (at most {MOE_MAX_TOPK})"
+        )));
+    }
+    let items = rows as u64 * *topk as u64 * inter.div_ceil(2) as u64;
+    let mut grid = items.div_ceil(8) as u32;
+    if rows == 1 {
+        // One row: the gate/up in one wave (`one_wave`: 3200 warps at the real width, 2112 resident). H200,
+        // lone-w1: `experts` 135.5 -> 131.4 us a replay. From 2 rows on the full grid was faster (lone-w16 2796 ->
+        // 2817 us with one wave): rows routed to one expert then read its rows side by side.
+        grid = one_wave(grid, EXPERTS_BLOCKS_PER_SM, a.sms);
+    }
+    Ok(
+        LaunchSpec::new("experts", bytes(&p), (grid, 1, 1), 256).then(
+            "experts_down",
+            (rows * *dim).div_ceil(8),
+            256,
+        ),
+    )
+}
+
+/// The `SharedExpert` node's launches: the gate/up (warp per intermediate feature, row tiles over `blockIdx.y`),
+/// then the down. `side`: the side branch's scratch, where the launches keep their down dots for `experts_down`
+/// ([`branch_shared_experts`]); `None`: the node's own launches on the main stream, adding to `out`.
+pub(super) fn shared_expert_spec(
+    a: &Addrs,
+    v: &Variant,
+    op: &Op,
+    side: Option<u64>,
+) -> Result<LaunchSpec, BackendError> {
+    let Op::SharedExpert {
+        x,
+        gate,
+        up,
+        down,
+        scale,
+        out,
+        dim,
+        inter,
+    } = op
+    else {
+        return Err(wrong_op("shared_expert", op));
+    };
+    let (streams, window) = v.kind.shape();
+    let rows = streams * window;
+    let mut c = a.common;
+    if let Some(scratch) = side {
+        c.scratch = scratch;
+    }
+    let p = FpSharedExpert {
+        c,
+        x: a.buf(v, *x),
+        gate: a.w(*gate)?,
+        up: a.w(*up)?,
+        down: a.w(*down)?,
+        scale: a.w(*scale)?,
+        out: a.buf(v, *out),
+        dim: *dim,
+        inter: *inter,
+        keep_dots: side.is_some() as u32,
+        pad: 0,
+    };
+    let (gate_up, tiles) = by_row_tiles(SHARED_EXPERT, rows);
+    let (down, _) = by_row_tiles(SHARED_EXPERT_DOWN, rows);
+    Ok(LaunchSpec::new(
+        gate_up,
+        bytes(&p),
+        ((*inter + 1).div_ceil(8), tiles, 1),
+        256,
+    )
+    .then_grid(down, (dim.div_ceil(16), tiles, 1), 256))
+}
+
+/// The shared expert on a side branch of the graph: wherever a `Router`, its `Experts` and a `SharedExpert` of the
+/// same input and output follow each other, the shared expert's two launches fork onto the side stream at the
+/// router's node (after the launch that wrote x), with their scratch in the side scratch, and leave their down dots
+/// there (`keep_dots`); `experts_down` waits for them and adds them (`FpExperts::shared`: `fmaf(sg, dot, routed)`,
+/// the fmaf `shared_expert_down` does in place otherwise, so the bits are the same). The shared expert (latency
+/// bound at one row: 9.8 MB of weights at the real width) then runs while the router picks the experts. The
+/// `SharedExpert` node gets no launch of its own.
+pub(super) fn branch_shared_experts(
+    a: &Addrs,
+    v: &Variant,
+    out: &mut [Option<LaunchSpec>],
+) -> Result<(), BackendError> {
+    for i in 0..v.nodes.len().saturating_sub(2) {
+        let (
+            Op::Router { x, ids, .. },
+            experts @ Op::Experts {
+                x: ex,
+                ids: eids,
+                out: eout,
+                ..
+            },
+            shared @ Op::SharedExpert {
+                x: sx, out: sout, ..
+            },
+        ) = (&v.nodes[i].op, &v.nodes[i + 1].op, &v.nodes[i + 2].op)
+        else {
+            continue;
+        };
+        if x != ex
+            || x != sx
+            || ids != eids
+            || eout != sout
+            || out[i..i + 3].iter().any(|s| s.is_none())
+        {
+            continue;
+        }
+        let side = shared_expert_spec(a, v, shared, Some(a.side_scratch))?;
+        let (streams, window) = v.kind.shape();
+        let Op::SharedExpert { inter, .. } = shared else {
+            unreachable!("matched above")
+        };
+        let sg = a.side_scratch + 4 * streams as u64 * window as u64 * *inter as u64;
+        let mut ex_spec = experts_spec(a, v, experts, sg)?;
+        ex_spec.join_before = Some(ex_spec.then.len());
+        if let Some(r) = out[i].as_mut() {
+            r.side.push(side);
+        }
+        out[i + 1] = Some(ex_spec);
+        out[i + 2] = None;
+    }
+    Ok(())
+}
+
+/// Parameters and launches of a `Router` node (`node`: its index, for its counter): its logits, and the top-k in the
+/// logits launch's last block up to [`ROUTER_ONE_LAUNCH_ROWS`] rows (`FLASHPLAN_FUSE_SMALL`), else in `router_topk`.
+pub(super) fn router_spec(
+    a: &Addrs,
+    v: &Variant,
+    node: usize,
+    op: &Op,
+) -> Result<LaunchSpec, BackendError> {
+    let Op::Router {
+        x,
+        gate,
+        ids,
+        weights,
+        experts,
+        topk,
+        dim,
+        norm,
+    } = op
+    else {
+        return Err(wrong_op("router", op));
+    };
+    let (streams, window) = v.kind.shape();
+    let rows = streams * window;
+    if *experts > 1024 || *topk > 32 || *topk == 0 || topk > experts {
+        return Err(BackendError::Device(format!(
+            "router: {experts} experts with top-{topk} is not supported (1 <= top-k <= 32, top-k <= experts <= \
+             1024)"
+        )));
+    }
+    // One launch up to ROUTER_ONE_LAUNCH_ROWS rows (the last block's 8 warps do every row's top-k); beyond,
+    // router_topk's block per row (the same bits).
+    let one_launch = a.fuse_small && rows <= ROUTER_ONE_LAUNCH_ROWS;
+    let p = FpRouter {
+        c: a.common,
+        x: a.buf(v, *x),
+        gate: a.w(*gate)?,
+        ids: a.buf(v, *ids),
+        weights: a.buf(v, *weights),
+        done: if one_launch {
+            a.counters + 4 * node as u64
+        } else {
+            0
+        },
+        experts: *experts,
+        topk: *topk,
+        dim: *dim,
+        norm: *norm as u32,
+    };
+    Ok(if one_launch {
+        // The logits launch's last block does the top-k (warp per row), counting in the node's counter (one grid
+        // row: the count is over gridDim.x blocks).
+        let logits = by_rows(ROUTER, rows);
+        one(
+            logits,
+            bytes(&p),
+            experts.div_ceil(router_experts_per_block(logits)),
+            256,
+        )
+    } else {
+        let (logits, tiles) = by_row_tiles(ROUTER, rows);
+        LaunchSpec::new(
+            logits,
+            bytes(&p),
+            (experts.div_ceil(router_experts_per_block(logits)), tiles, 1),
+            256,
+        )
+        .then("router_topk", rows, ROUTER_TOPK_THREADS)
+    })
+}

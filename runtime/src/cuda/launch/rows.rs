@@ -1,0 +1,113 @@
+//! Row-wise ops (kernels/rows.cu, kernels/norm.cu): embeddings, row gathers, RMS norm and broadcast adds.
+
+use flashplan_plan::{Op, Space, Variant};
+
+use super::*;
+use crate::cuda::params::*;
+
+/// Parameters and launch of a row-wise node (`EmbedStreams`, `Embed`, `GatherRows`, `LastRows`, `RmsNorm`,
+/// `AddBroadcast`).
+pub(super) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, BackendError> {
+    let (streams, window) = v.kind.shape();
+    let rows = streams * window;
+    let c = a.common;
+    Ok(match op {
+        Op::EmbedStreams {
+            table,
+            out,
+            dim,
+            copies,
+            ..
+        } => {
+            let p = FpEmbed {
+                c,
+                table: a.w(*table)?,
+                out: a.buf(v, *out),
+                dim: *dim,
+                copies: *copies,
+            };
+            one("embed_streams", bytes(&p), rows, 256)
+        }
+        Op::Embed {
+            table, out, dim, ..
+        } => {
+            let p = FpEmbed {
+                c,
+                table: a.w(*table)?,
+                out: a.buf(v, *out),
+                dim: *dim,
+                copies: 1,
+            };
+            one("embed", bytes(&p), rows, 256)
+        }
+        Op::GatherRows { src, out, width } => {
+            // The source is read as a whole io buffer (the previous variant's output).
+            let d = v.buf(*src);
+            let src = match d.space {
+                Space::Io(io) => (a.io)(io),
+                Space::Arena => a.buf(v, *src),
+            };
+            let p = FpGatherRows {
+                c,
+                src,
+                out: a.buf(v, *out),
+                width: *width,
+                pad: 0,
+            };
+            one("gather_rows", bytes(&p), rows, 256)
+        }
+        Op::LastRows { x, out, width } => {
+            let p = FpLastRows {
+                c,
+                x: a.buf(v, *x),
+                out: a.buf(v, *out),
+                width: *width,
+                pad: 0,
+            };
+            one("last_rows", bytes(&p), streams, 256)
+        }
+        Op::RmsNorm {
+            x,
+            w,
+            out,
+            dim,
+            group,
+            eps,
+        } => {
+            let p = FpRmsNorm {
+                c,
+                x: a.buf(v, *x),
+                w: match w {
+                    Some(w) => a.w(*w)?,
+                    None => 0,
+                },
+                out: a.buf(v, *out),
+                dim: *dim,
+                group: *group,
+                eps: *eps,
+                pad: 0,
+            };
+            one("rms_norm", bytes(&p), rows, 256)
+        }
+        Op::AddBroadcast {
+            a: x,
+            b,
+            out,
+            width,
+            b_width,
+        } => {
+            let p = FpAddBroadcast {
+                c,
+                a: a.buf(v, *x),
+                b: a.buf(v, *b),
+                out: a.buf(v, *out),
+                width: *width,
+                b_width: *b_width,
+            };
+            // A block of 1024 threads: a row of the MTP's 4 x 2560 streams is 10 values a thread, one batch of
+            // loads (`block_store_row`) instead of three; elementwise, so the block size never changes a value.
+            one("add_broadcast", bytes(&p), rows, 1024)
+        }
+        _ => return Err(wrong_op("row-wise", op)),
+    })
+}

@@ -1,0 +1,51 @@
+//! Sampling and keep counting (kernels/sample.cu, kernels/rows.cu): the keyed sampler over vocabulary slices, then
+//! per row; the count of kept drafts.
+
+use flashplan_plan::{Op, SampleRows, Variant};
+
+use super::*;
+use crate::cuda::params::*;
+
+/// Vocabulary slices of `sample_part` (`SAMPLE_PARTS` in `kernels/sample.cu`).
+pub(super) const SAMPLE_PARTS: u32 = 64;
+
+/// Parameters and launches of a `Sample` or `KeepCount` node.
+pub(super) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, BackendError> {
+    let (streams, window) = v.kind.shape();
+    let rows = streams * window;
+    let c = a.common;
+    Ok(match op {
+        Op::Sample {
+            logits,
+            tokens,
+            probs,
+            rows: which,
+            vocab,
+        } => {
+            let (mode, items) = match which {
+                SampleRows::All => (0, rows),
+                SampleRows::Last => (1, streams),
+                SampleRows::MtpGathered => (2, streams),
+            };
+            let p = FpSample {
+                c,
+                logits: a.buf(v, *logits),
+                tokens: a.buf(v, *tokens),
+                probs: a.buf(v, *probs),
+                mode,
+                vocab: *vocab,
+            };
+            LaunchSpec::new("sample_part", bytes(&p), (items, SAMPLE_PARTS, 1), 256)
+                .then("sample", items, 1024)
+        }
+        Op::KeepCount { sampled, keep } => {
+            let p = FpKeepCount {
+                c,
+                sampled: a.buf(v, *sampled),
+                keep: a.buf(v, *keep),
+            };
+            one("keep_count", bytes(&p), 1, 32)
+        }
+        _ => return Err(wrong_op("sample", op)),
+    })
+}

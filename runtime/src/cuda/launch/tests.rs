@@ -1,0 +1,501 @@
+//! Launch specs of the tiny plan: grids, fused launches, side branches and row splits.
+
+use super::hc::*;
+use super::linear::*;
+use super::moe::*;
+use super::ple::*;
+use super::*;
+
+/// The launch specs of every variant of the tiny plan, with made-up device addresses (no GPU: specs only
+/// compute parameters and shapes), with and without `FLASHPLAN_FUSE_SMALL`, with the side branch.
+fn tiny_specs(fuse_small: bool) -> Vec<(Variant, Vec<Option<LaunchSpec>>)> {
+    tiny_specs_side(fuse_small, SIDE_SCRATCH)
+}
+
+/// Made-up side scratch and side arena addresses.
+const SIDE_SCRATCH: u64 = 0x6000_0000;
+const SIDE_ARENA: u64 = 0x7000_0000;
+
+/// [`tiny_specs`] with the side scratch at `side_scratch` (0: no side branch).
+fn tiny_specs_side(fuse_small: bool, side_scratch: u64) -> Vec<(Variant, Vec<Option<LaunchSpec>>)> {
+    specs_of(
+        &super::super::fuse::tests::tiny_plan(),
+        fuse_small,
+        side_scratch,
+        132,
+    )
+}
+
+/// The launch specs of every variant of `body`, with made-up device addresses; the side arena is there with
+/// the side scratch.
+fn specs_of(
+    body: &PlanBody,
+    fuse_small: bool,
+    side_scratch: u64,
+    sms: u32,
+) -> Vec<(Variant, Vec<Option<LaunchSpec>>)> {
+    let weights: Vec<u64> = (0..body.weights.len() as u64)
+        .map(|i| 0x1000_0000 + (i << 20))
+        .collect();
+    let scales = vec![0u64; weights.len()];
+    let rope = Rope::new(&body.config);
+    let io = |_: flashplan_plan::IoBuf| 0x2000_0000u64;
+    body.variants
+        .iter()
+        .map(|v| {
+            let (nstreams, window) = v.kind.shape();
+            let a = Addrs {
+                body,
+                arena: 0x3000_0000,
+                io: &io,
+                weights: &weights,
+                mxfp8_scales: &scales,
+                common: FpCommon {
+                    nstreams,
+                    window,
+                    ..Default::default()
+                },
+                rope: 0x4000_0000,
+                rope_cfg: &rope,
+                counters: 0x5000_0000,
+                fuse_small,
+                sms,
+                side_scratch,
+                side_arena: if side_scratch != 0 { SIDE_ARENA } else { 0 },
+                moved: &[],
+            };
+            (v.clone(), specs(&a, v, true).expect("specs"))
+        })
+        .collect()
+}
+
+#[test]
+fn on_one_sm_the_one_and_two_row_launches_take_one_wave_and_every_matrix_keeps_blocks() {
+    let (mut seen, mut cut) = (0, 0);
+    let plan = super::super::fuse::tests::tiny_plan();
+    let full = specs_of(&plan, true, SIDE_SCRATCH, 132);
+    let one = specs_of(&plan, true, SIDE_SCRATCH, 1);
+    for ((v, sp), (_, sp_full)) in one.into_iter().zip(&full) {
+        let rows = v.kind.shape().0 * v.kind.shape().1;
+        let pairs = sp
+            .iter()
+            .zip(sp_full)
+            .filter_map(|(s, f)| Some((s.as_ref()?, f.as_ref()?)));
+        for (s, f) in pairs {
+            let last = |s: &LaunchSpec| s.then.last().map_or(s.grid.0, |t| t.1 .0);
+            if last(s) < last(f) {
+                cut += 1;
+            }
+            let (kernel, grid) = match s.then.last() {
+                Some(&(k, g, _)) if s.kernel.ends_with("split") => (k, g.0),
+                _ => (s.kernel, s.grid.0),
+            };
+            if kernel.starts_with("linear_multi_t") {
+                let m: FpLinearMulti = params_of(s);
+                let blocks = &m.blocks[..m.count as usize];
+                assert_eq!(
+                    blocks.iter().sum::<u32>(),
+                    grid,
+                    "{}: {kernel}",
+                    v.kind.name()
+                );
+                assert!(blocks.iter().all(|&b| b >= 1));
+                if rows <= 2 {
+                    // 3 blocks on the one SM, give or take a block per matrix.
+                    assert!(
+                        grid <= LINEAR_T1_BLOCKS_PER_SM + m.count,
+                        "{}: {grid}",
+                        v.kind.name()
+                    );
+                    seen += 1;
+                }
+            } else if rows <= 2 && (kernel == "linear_t1" || kernel == "linear_t2") {
+                assert!(
+                    grid <= LINEAR_T1_BLOCKS_PER_SM,
+                    "{}: {kernel} {grid}",
+                    v.kind.name()
+                );
+                seen += 1;
+            } else if rows == 1 && kernel == "experts" {
+                assert!(
+                    grid <= EXPERTS_BLOCKS_PER_SM,
+                    "{}: experts {grid}",
+                    v.kind.name()
+                );
+                seen += 1;
+            }
+        }
+    }
+    // The tiny plan's launches are cut to one SM's wave (not only small to begin with).
+    assert!(seen > 0 && cut > 0, "{seen} launches checked, {cut} cut");
+}
+
+#[test]
+fn one_row_grids_run_in_one_wave_and_keep_each_matrix_share() {
+    assert_eq!(one_wave(1030, LINEAR_T1_BLOCKS_PER_SM, 132), 396);
+    assert_eq!(one_wave(160, LINEAR_T1_BLOCKS_PER_SM, 132), 160);
+    assert_eq!(one_wave(1030, LINEAR_T1_BLOCKS_PER_SM, 0), 1030);
+    // The GDN projections at the real width: qkv, z, b, a in 640 + 384 + 3 + 3 blocks.
+    let mut b = [640, 384, 3, 3];
+    let grid = one_wave_shares(&mut b, 396);
+    assert_eq!(b, [246, 147, 1, 1]);
+    assert_eq!(grid, 395);
+    let mut small = [100, 50];
+    assert_eq!(one_wave_shares(&mut small, 396), 150);
+    assert_eq!(small, [100, 50]);
+}
+
+/// A spec's parameter struct, read back from its bytes.
+fn params_of<T: Copy>(sp: &LaunchSpec) -> T {
+    assert_eq!(sp.params.len(), std::mem::size_of::<T>());
+    // SAFETY: the bytes are a T's (`bytes`), the read is unaligned-safe.
+    unsafe { std::ptr::read_unaligned(sp.params.as_ptr() as *const T) }
+}
+
+#[test]
+fn the_shared_expert_runs_on_the_side_branch_and_experts_down_joins_it() {
+    let mut seen = 0;
+    for (v, sp) in tiny_specs(true) {
+        let rows = (v.kind.shape().0 * v.kind.shape().1) as u64;
+        for (i, n) in v.nodes.iter().enumerate() {
+            let Op::SharedExpert { inter, .. } = n.op else {
+                continue;
+            };
+            seen += 1;
+            assert!(
+                sp[i].is_none(),
+                "{}: the shared expert has no launch of its own",
+                v.kind.name()
+            );
+            assert!(matches!(v.nodes[i - 2].op, Op::Router { .. }));
+            let router = sp[i - 2].as_ref().expect("router launched");
+            let side = router
+                .side
+                .first()
+                .expect("the shared expert forks at the router");
+            assert!(
+                side.kernel.starts_with("shared_expert_t"),
+                "{}",
+                side.kernel
+            );
+            assert!(side.side.is_empty() && side.join_before.is_none());
+            let sh: FpSharedExpert = params_of(side);
+            assert_eq!((sh.keep_dots, sh.c.scratch), (1, SIDE_SCRATCH));
+            let experts = sp[i - 1].as_ref().expect("experts launched");
+            assert_eq!(experts.join_before, Some(experts.then.len()));
+            assert_eq!(experts.then.last().map(|t| t.0), Some("experts_down"));
+            let ex: FpExperts = params_of(experts);
+            assert_eq!(
+                ex.shared,
+                SIDE_SCRATCH + 4 * rows * inter as u64,
+                "sg after hid [rows, inter]"
+            );
+        }
+    }
+    assert!(seen > 0, "the tiny plan has shared experts");
+    // Without a side scratch every launch stays on the main stream and the shared expert adds in place.
+    for (v, sp) in tiny_specs_side(true, 0) {
+        for (n, s) in v.nodes.iter().zip(&sp) {
+            let Some(s) = s else { continue };
+            assert!(s.side.is_empty() && s.join_before.is_none());
+            if matches!(n.op, Op::SharedExpert { .. }) {
+                assert_eq!(params_of::<FpSharedExpert>(s).keep_dots, 0);
+            }
+            if matches!(n.op, Op::Experts { .. }) {
+                assert_eq!(params_of::<FpExperts>(s).shared, 0);
+            }
+        }
+    }
+}
+
+#[test]
+fn the_ple_embedding_and_projections_run_on_the_side_branch_until_ple_mix() {
+    let mut seen = 0;
+    for (v, sp) in tiny_specs(true) {
+        let Some(i) = v
+            .nodes
+            .iter()
+            .position(|n| matches!(n.op, Op::PleEmbed { .. }))
+        else {
+            continue;
+        };
+        seen += 1;
+        let name = v.kind.name();
+        // The compiler emits them before layer 0; they have no launches of their own.
+        assert!(v.nodes[..i].iter().all(|n| n.layer.is_none()), "{name}");
+        let j = i + 3;
+        assert!(sp[i..j].iter().all(|s| s.is_none()), "{name}");
+        let fork = sp[j].as_ref().expect("the next node launches");
+        assert_eq!(
+            fork.side.len(),
+            2,
+            "{name}: ple_embed and the fused key/value projections"
+        );
+        assert_eq!(fork.side[0].kernel, "ple_embed");
+        // The embedding, key and value live in the side arena, which ple_mix reads.
+        let e: FpPleEmbed = params_of(&fork.side[0]);
+        assert_eq!(e.out, SIDE_ARENA, "{name}");
+        let lin = &fork.side[1];
+        let (rows, first) = (v.kind.shape().0 * v.kind.shape().1, lin.kernel);
+        assert!(first.starts_with("linear_multi"), "{name}: {first}");
+        if rows >= 2 {
+            let p: FpLinearMulti = params_of(lin);
+            assert_eq!(
+                p.c.scratch, SIDE_SCRATCH,
+                "{name}: the rows split into the side scratch"
+            );
+        }
+        let m = (j..v.nodes.len())
+            .find(|&k| matches!(v.nodes[k].op, Op::PleMix { .. }))
+            .expect("ple_mix");
+        let mix = sp[m].as_ref().expect("ple_mix launched");
+        assert_eq!(mix.join_before, Some(0), "{name}");
+        let x: FpPleMix = params_of(mix);
+        let arena = SIDE_ARENA..SIDE_ARENA + 4 * side_arena_elems(&v);
+        assert!(
+            arena.contains(&x.key) && arena.contains(&x.value) && x.key != x.value,
+            "{name}"
+        );
+    }
+    assert!(seen > 0, "the tiny plan has a PLE layer");
+}
+
+#[test]
+fn two_ple_layers_share_one_fork_and_each_ple_mix_joins() {
+    let body = super::super::fuse::tests::tiny_plan_with(|json| {
+        json["ple_layer_ids"] = serde_json::json!([2, 3]);
+    });
+    let mut seen = 0;
+    for (v, sp) in &specs_of(&body, true, SIDE_SCRATCH, 132) {
+        let preps = ple_preps(v);
+        if preps.is_empty() {
+            continue;
+        }
+        seen += 1;
+        assert_eq!(preps.len(), 2, "{}", v.kind.name());
+        assert_eq!(preps[1].i, preps[0].j, "the two preps follow each other");
+        let fork = sp[preps[1].j].as_ref().expect("the node after both preps");
+        let kernels: Vec<&str> = fork.side.iter().map(|s| s.kernel).collect();
+        assert_eq!(kernels.len(), 4, "{}: {kernels:?}", v.kind.name());
+        assert_eq!((kernels[0], kernels[2]), ("ple_embed", "ple_embed"));
+        assert!(sp[preps[0].i..preps[1].j].iter().all(|s| s.is_none()));
+        let mut outs = Vec::new();
+        for p in &preps {
+            let mix = sp[p.m].as_ref().expect("ple_mix");
+            assert_eq!(mix.join_before, Some(0));
+            let x: FpPleMix = params_of(mix);
+            outs.extend([x.key, x.value]);
+        }
+        outs.sort_unstable();
+        outs.dedup();
+        assert_eq!(
+            outs.len(),
+            4,
+            "{}: distinct side-arena places",
+            v.kind.name()
+        );
+        assert!(outs
+            .iter()
+            .all(|&o| o >= SIDE_ARENA && o < SIDE_ARENA + 4 * side_arena_elems(v)));
+    }
+    assert!(seen > 0);
+}
+
+#[test]
+fn gdn_commit_is_left_out_exactly_in_windows_of_one_row() {
+    let mut seen = [false; 2];
+    for (v, sp) in tiny_specs(true) {
+        let one_row = v.kind.shape().1 == 1;
+        for (n, s) in v.nodes.iter().zip(&sp) {
+            if matches!(n.op, Op::GdnCommit { .. }) {
+                seen[one_row as usize] = true;
+                match s {
+                    None => assert!(one_row, "{}: gdn_commit left out", v.kind.name()),
+                    Some(s) => {
+                        assert!(!one_row, "{}: gdn_commit launched", v.kind.name());
+                        assert_eq!(s.kernel, "gdn_commit");
+                    }
+                }
+            }
+        }
+    }
+    assert_eq!(
+        seen,
+        [true, true],
+        "variants of both kinds with a GDN commit"
+    );
+}
+
+#[test]
+fn linears_of_two_rows_or_more_split_their_rows_first() {
+    let mut seen = [false; 2];
+    for (v, sp) in tiny_specs(true) {
+        for (n, s) in v.nodes.iter().zip(&sp) {
+            let (Op::Linear { x, k, sub, .. }, Some(s)) = (&n.op, s) else {
+                continue;
+            };
+            if s.kernel.starts_with("linear_mxfp8") {
+                continue;
+            }
+            let (streams, window) = v.kind.shape();
+            let gathered = fuse::linear_gathered(&v, *x, *k, *sub);
+            let total = if gathered { streams } else { streams * window } * sub;
+            let tile = |k: &str| k.rsplit('t').next().and_then(|t| t.parse::<u32>().ok());
+            if total >= 2 {
+                seen[1] = true;
+                assert!(
+                    s.kernel == "linear_split" || s.kernel == "linear_multi_split",
+                    "{}: {}",
+                    v.kind.name(),
+                    s.kernel
+                );
+                assert_eq!(s.then.len(), 1);
+                assert!(tile(s.then[0].0).is_some_and(|t| t >= 2), "{}", s.then[0].0);
+            } else {
+                seen[0] = true;
+                assert_eq!(tile(s.kernel), Some(1), "{}: {}", v.kind.name(), s.kernel);
+                assert!(s.then.is_empty());
+            }
+        }
+    }
+    assert_eq!(seen, [true, true], "linears of one row and of several");
+}
+
+#[test]
+fn hc_norm_moves_into_the_write_before_a_read_of_the_same_h() {
+    for fuse_small in [true, false] {
+        let (mut fused, mut plain) = (0, 0);
+        for (v, sp) in tiny_specs(fuse_small) {
+            for (i, n) in v.nodes.iter().enumerate() {
+                let Op::HcRead { h, .. } = n.op else { continue };
+                let read = sp[i].as_ref().expect("hc_read launched");
+                // From two rows on, hc_mix_split comes before hc_mix_tc.
+                let (streams, window) = v.kind.shape();
+                let nrows = if hc_read_gathered(&v, &n.op) {
+                    streams
+                } else {
+                    streams * window
+                };
+                let split = usize::from(nrows >= 2);
+                let last = read.then.last().expect("the mix").0;
+                assert!(last.starts_with("hc_mix_tc_t"), "{last}");
+                assert_eq!(
+                    read.then.len() >= 2 && read.then[read.then.len() - 2].0 == "hc_mix_split",
+                    nrows >= 2
+                );
+                let after_write = i > 0
+                    && matches!(v.nodes[i - 1].op, Op::HcWrite { h: hw, .. } if hw == h)
+                    && !hc_read_gathered(&v, &n.op);
+                if fuse_small && after_write {
+                    fused += 1;
+                    let write = sp[i - 1].as_ref().expect("hc_write launched");
+                    assert_eq!(
+                        write.kernel,
+                        "hc_write_norm",
+                        "{} node {}",
+                        v.kind.name(),
+                        i - 1
+                    );
+                    assert!(
+                        read.kernel.starts_with("hc_read_t"),
+                        "{}: {}",
+                        v.kind.name(),
+                        read.kernel
+                    );
+                    assert_eq!(read.launches(), 2 + split);
+                    // The fused write carries the read's norm weight and eps.
+                    assert_eq!(write.params.len(), std::mem::size_of::<FpHcWrite>());
+                    // SAFETY: `params` holds the bytes of one FpHcWrite (`bytes(&p)`), length checked above.
+                    let p: FpHcWrite =
+                        unsafe { std::ptr::read_unaligned(write.params.as_ptr().cast()) };
+                    let Op::HcRead { norm, eps, .. } = n.op else {
+                        unreachable!()
+                    };
+                    assert_eq!(p.norm, 0x1000_0000 + ((norm.0 as u64) << 20));
+                    assert_eq!(p.eps, eps);
+                } else {
+                    assert_eq!(read.kernel, "hc_norm", "{} node {i}", v.kind.name());
+                    assert_eq!(read.launches(), 3 + split);
+                }
+            }
+            // A write not followed by a read of its h (the last layer's, before the head's gathered read; a
+            // layer followed by PLE) stays a plain hc_write, with or without the switch.
+            for (i, n) in v.nodes.iter().enumerate() {
+                let Op::HcWrite { h, .. } = n.op else {
+                    continue;
+                };
+                let read_next = v.nodes.get(i + 1).is_some_and(|r| {
+                    matches!(r.op, Op::HcRead { h: hr, .. } if hr == h)
+                        && !hc_read_gathered(&v, &r.op)
+                });
+                let kernel = sp[i].as_ref().expect("hc_write launched").kernel;
+                let want = if fuse_small && read_next {
+                    "hc_write_norm"
+                } else {
+                    "hc_write"
+                };
+                assert_eq!(kernel, want, "{} node {i}", v.kind.name());
+                plain += usize::from(kernel == "hc_write");
+            }
+        }
+        assert_eq!(fused > 0, fuse_small);
+        assert!(
+            plain > 0,
+            "some writes are not followed by a read of their h"
+        );
+    }
+}
+
+#[test]
+fn mx_split_depends_on_the_weight_shape_only() {
+    // The drafting lm_head (k 2560, n 248320): no split, 7760 blocks of 32 features.
+    assert_eq!(mx_split(2560, 248_320), 1);
+    // Few rows: split K for more blocks (k/v projections, n 512), up to 8.
+    assert_eq!(mx_split(2560, 512), 8);
+    assert_eq!(mx_split(2560, 2560), 4);
+    // Long rows: at most 8 chunks of 16 codes per lane and row.
+    assert_eq!(mx_split(8192, 1 << 20), 2);
+    assert_eq!(mx_split(1 << 20, 1 << 20), 8);
+    for (k, n) in [(64, 512), (2560, 12_288), (6144, 2560), (40, 3)] {
+        let s = mx_split(k, n);
+        assert!([1, 2, 4, 8].contains(&s), "{k} x {n}: {s}");
+    }
+}
+
+#[test]
+fn hc_mix_slices_follow_the_gate_count() {
+    // The real shape: 4 x 2560 gates -> 4 slices (320 blocks); tiny models -> 8; huge -> 1.
+    assert_eq!(hc_mix_slices(10_240), 4);
+    assert_eq!(hc_mix_slices(256), 8);
+    assert_eq!(hc_mix_slices(1 << 20), 1);
+}
+
+#[test]
+fn tc_split_depends_on_the_weight_shape_only() {
+    // lm_head (k 2560, n 248320): 2 slices of 40 steps, 3880 blocks.
+    assert_eq!(tc_split(2560, 248_320), 2);
+    // The GDN qkv and z, the attention q (k 2560, n 6144 .. 16384): 8 slices, the most blocks.
+    assert_eq!(tc_split(2560, 10_240), 8);
+    assert_eq!(tc_split(2560, 6144), 8);
+    // o_proj (k 6144, n 2560) and tiny projections: at most 8.
+    assert_eq!(tc_split(6144, 2560), 8);
+    assert_eq!(tc_split(2560, 48), 8);
+    // A short K with many rows needs no split.
+    assert_eq!(tc_split(64, 1 << 20), 1);
+    // Long K: at most 40 steps per slice while there are blocks enough.
+    assert_eq!(tc_split(8192, 1 << 20), 8);
+    assert_eq!(tc_split(2560, 1 << 20), 2);
+}
+
+#[test]
+fn only_a_one_row_linear_of_many_steps_a_warp_runs_deep() {
+    let entry = |rows, k, n| linear_entry(rows, k, tc_split(k, n));
+    // The lm_head at one row: 40 steps a warp.
+    assert_eq!(entry(1, 2560, 248_320), "linear_t1_deep");
+    // Its wider windows keep their row tiles.
+    assert_eq!(entry(2, 2560, 248_320), "linear_t2");
+    assert_eq!(entry(16, 2560, 248_320), "linear_t16");
+    // The GDN projections (10 steps a warp) and the output projections (24) stay at linear_t1.
+    assert_eq!(entry(1, 2560, 10_240), "linear_t1");
+    assert_eq!(entry(1, 6144, 2560), "linear_t1");
+}
