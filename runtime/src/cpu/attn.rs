@@ -1,7 +1,6 @@
 //! Sparse attention layers: q/k/v preparation with RoPE into the caches, the indexer's block selection, the
 //! attention over the selected blocks, the commit of the pooled keys.
 
-use super::kernels::*;
 use super::*;
 
 impl CpuBackend {

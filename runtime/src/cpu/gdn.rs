@@ -1,6 +1,5 @@
 //! Gated DeltaNet layers: the causal conv, the recurrence, the commit of the kept rows' state, the gated norm.
 
-use super::kernels::*;
 use super::*;
 
 impl CpuBackend {

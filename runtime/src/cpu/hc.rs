@@ -1,6 +1,5 @@
 //! Hyper-connections: the read (norm, down and inject dots, gates and mix) and the write.
 
-use super::kernels::*;
 use super::*;
 
 impl CpuBackend {

@@ -1,10 +1,10 @@
 //! The CPU reference backend: interprets a variant's node list with the reference kernels in f32, over the plan's
 //! arena, io buffers and per-slot state, exactly as the GPU replays it (`architecture.md`, "Backends").
 //!
-//! Each family of ops runs in its own module, as in the CUDA backend's launches (`runtime/src/cuda/launch/`): `rows`
-//! (embeddings, gathers, norms, linears), `hc` (hyper-connections), `gdn` (Gated DeltaNet), `attn` (sparse attention),
-//! `moe` (router and experts), `ple` (per-layer embeddings), `sample` (sampling, keep counts); the scalar reference
-//! kernels they share are in [`kernels`].
+//! Each family of ops runs in its own module, much as the CUDA backend's launches do (`runtime/src/cuda/launch/`):
+//! `rows` (embeddings, gathers, norms, and the linears, which the CUDA side keeps in a module of their own), `hc`
+//! (hyper-connections), `gdn` (Gated DeltaNet), `attn` (sparse attention), `moe` (router and experts), `ple` (per-layer
+//! embeddings), `sample` (sampling, keep counts); the scalar reference kernels they share are in [`kernels`].
 
 mod attn;
 mod gdn;

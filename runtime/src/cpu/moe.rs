@@ -1,6 +1,5 @@
 //! Mixture of experts: the router's top-k, the routed experts and the shared expert.
 
-use super::kernels::*;
 use super::*;
 
 impl CpuBackend {

@@ -1,7 +1,6 @@
 //! Per-layer embeddings: the n-gram embedding, the mix into the residual streams, the commit of the n-gram
 //! history and conv tail.
 
-use super::kernels::*;
 use super::*;
 
 impl CpuBackend {

@@ -1,6 +1,5 @@
-//! Row-wise ops and linears: embeddings, row gathers, RMS norm, broadcast adds, and `x W^T` (`linear` in kernels.rs).
+//! Row-wise ops and linears: embeddings, row gathers, RMS norm, broadcast adds, and `x W^T` (`matvec` in kernels.rs).
 
-use super::kernels::*;
 use super::*;
 
 impl CpuBackend {

@@ -418,7 +418,7 @@ impl CudaBackend {
         self.call(|tx| Cmd::ReadFloor(sizes.to_vec(), tx))
     }
 
-    /// Sizes the one-wave grids (`launch::one_wave`) as for a GPU of `sms` SMs, or of this GPU's own count with 0,
+    /// Sizes the one-wave grids (`launch::linear::one_wave`) as for a GPU of `sms` SMs, or of this GPU's own count with 0,
     /// and drops the captured graphs so that the next runs capture with it. For tests: with a small count every
     /// block loops over many m-tiles and experts' items, which must give the same bits as this GPU's own grids.
     ///

@@ -31,7 +31,7 @@ fn switch_setting(name: &str, what: &str, default: bool) -> Result<bool, Backend
 /// (the results are the same). Each kernel waits for the previous one before it lets the next be scheduled
 /// (kernels/common.cuh `pdl_start`), so the next kernel's blocks take the SM slots the current one leaves free and
 /// start the moment it completes. On the H200 it was neutral while the large launches ran in several waves (fourth
-/// session: 1125 against 1133 us); with the one- and two-row grids in one wave (`launch::one_wave`) it pays in one
+/// session: 1125 against 1133 us); with the one- and two-row grids in one wave (`launch::linear::one_wave`) it pays in one
 /// A/B run: lone-w1 927 -> 901 us, lone-w2 1101 -> 1084 us, lone-w4 unchanged, but lone-w8 1769 -> 1795-1801 us
 /// (docs/benchmarks.md, tenth session).
 pub(super) fn pdl_setting() -> Result<bool, BackendError> {
@@ -46,7 +46,7 @@ pub(super) fn fuse_linear_setting() -> Result<bool, BackendError> {
 
 /// `FLASHPLAN_FUSE_SMALL`: `1` (default) launches the router as one kernel up to 8 rows (the logits launch's last
 /// block does the top-k) and a hyper-connection read's `hc_norm` inside the `hc_write` before it
-/// (`launch::fuse_hc_norm`); `0` launches router_topk and hc_norm on their own (for comparison; the results are the
+/// (`launch::hc::fuse_hc_norm`); `0` launches router_topk and hc_norm on their own (for comparison; the results are the
 /// same bits).
 pub(super) fn fuse_small_setting() -> Result<bool, BackendError> {
     switch_setting("FLASHPLAN_FUSE_SMALL", "fewer launches for small ops", true)

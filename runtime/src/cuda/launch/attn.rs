@@ -1,10 +1,7 @@
 //! Sparse attention layers (kernels/attn.cu): q/k/v preparation with RoPE into the caches, the indexer's scores and
 //! block selection, the attention over the selected blocks, and the commit of the pooled keys.
 
-use flashplan_plan::{Op, Variant};
-
 use super::*;
-use crate::cuda::params::*;
 
 /// Tokens per chunk of `sparse_attn` (`SA_CHUNK` in `kernels/attn.cu`).
 pub(super) const SA_CHUNK: u32 = 32;
@@ -201,6 +198,6 @@ pub(super) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
             };
             one("indexer_commit", bytes(&p), streams, 256)
         }
-        _ => return Err(wrong_op("attention", op)),
+        _ => return Err(wrong_op("attn", op)),
     })
 }

@@ -2,11 +2,8 @@
 //! gates on tensor cores and the mix), the write, and `FLASHPLAN_FUSE_SMALL`'s write that also normalizes for the
 //! next read.
 
-use flashplan_plan::{Op, Variant};
-
 use super::linear::{split_grid, tc_features_per_block};
 use super::*;
-use crate::cuda::params::*;
 
 /// `hc_read`'s down/inject entry points per row tile, up to 4 rows (kernels/norm.cu).
 const HC_READ: ByRows = &["hc_read_t1", "hc_read_t2", "hc_read_t4"];
@@ -39,7 +36,7 @@ const HC_MIX_TC: ByRows = &[
 /// H200; a block is 8 / S m-tiles of 16 gates), else 8. Measured on the H200 with the real shape (10240 gates of
 /// rank 320; lone-w1 / lone-w16 replay): 4 slices 1052 / 3142 us, 2 slices 1052 / 3143, 1 slice 1057 / 3178,
 /// 8 slices 1092 / 3168.
-pub(crate) fn hc_mix_slices(gates: u32) -> u32 {
+pub(super) fn hc_mix_slices(gates: u32) -> u32 {
     const LEAST_BLOCKS: u32 = 264;
     [1, 2, 4, 8]
         .into_iter()

@@ -1,11 +1,8 @@
 //! Linear layers: the BF16 tensor-core `linear` (kernels/linear.cuh) by row tile, its fused run of sibling
 //! matrices (`linear_multi`), the row split that feeds them from two rows on, the MXFP8 `linear_mxfp8`
-//! (kernels/mxfp8.cu), the one-wave grids, and the benchmarks' `read_floor`.
-
-use flashplan_plan::{Op, Variant};
+//! (kernels/mxfp8.cu), the one-wave grids.
 
 use super::*;
-use crate::cuda::params::*;
 
 /// The BF16 `linear` entry points per row tile (kernels/linear.cu).
 const LINEAR: ByRows = &[
@@ -64,14 +61,14 @@ const LINEAR_MXFP8: ByRows = &[
 ];
 
 /// Output features per warp group of `linear_mxfp8` (`MX_NPW` in kernels/mxfp8.cu), at every row tile.
-pub(super) const MX_NPW: u32 = 4;
+const MX_NPW: u32 = 4;
 
 /// Slices of K for `linear_mxfp8` (kernels/mxfp8.cu: slices of whole scale groups, each lane reading 16 codes at a
 /// time, a warp 512 per pass): the fewest of 1, 2, 4, 8 that leave each lane at most 8 chunks of 16 codes per
 /// weight row and give the launch at least 256 blocks (a weight with few rows splits K rather than leave SMs idle),
 /// else 8. A function of the weight's shape `[n, k]` alone, so every row count gets the same slices (row
 /// invariance).
-pub(crate) fn mx_split(k: u32, n: u32) -> u32 {
+pub(super) fn mx_split(k: u32, n: u32) -> u32 {
     let passes = k.div_ceil(512);
     [1, 2, 4, 8]
         .into_iter()
@@ -109,11 +106,7 @@ fn linear_mxfp8(p: &FpLinear, scales: u64, total: u32) -> LaunchSpec {
 /// A `Linear` node's parameters, its launch's row count (sub-rows: `total`) and output features per block of
 /// `linear` (kernels/linear.cuh `linear_tc_rows`: a block of 8 warps = 8 / split m-tiles of 16 features, each over
 /// `split` = [`tc_split`] slices of K).
-pub(super) fn linear_params(
-    a: &Addrs,
-    v: &Variant,
-    op: &Op,
-) -> Result<(FpLinear, u32, u32), BackendError> {
+fn linear_params(a: &Addrs, v: &Variant, op: &Op) -> Result<(FpLinear, u32, u32), BackendError> {
     let Op::Linear {
         x,
         w,
@@ -178,7 +171,7 @@ pub(super) fn one_wave_shares(blocks: &mut [u32], cap: u32) -> u32 {
 /// (`linear_t1_deep`, two blocks an SM) instead of 4: the lm_head (2560 inputs in 2 slices: 40 steps). H200, the
 /// lm_head at one row: 304.5 -> 300.7 us, lone-w1 954 -> 949 us; the GDN projections (10 steps a warp) and the
 /// output projections (24) were slower with it (27.4 -> 29.3 us, 11.2 -> 11.7 us).
-pub(super) const DEEP_STEPS: u32 = 32;
+const DEEP_STEPS: u32 = 32;
 
 /// The entry point of a `Linear` launch of `total` rows over `k` inputs in `split` slices: by row tile
 /// ([`LINEAR`]), and for one row with at least [`DEEP_STEPS`] steps a warp, `linear_t1_deep`. The same
@@ -272,23 +265,6 @@ pub(super) fn with_split(
         return LaunchSpec::new(kernel, params, (grid.max(1), 1, 1), 256);
     }
     LaunchSpec::new(split, params, (split_grid(total, k), 1, 1), 256).then(kernel, grid, 256)
-}
-
-/// Blocks of 256 threads of `read_floor` per SM: a full SM (its `__launch_bounds__(256, 8)`).
-const READ_FLOOR_BLOCKS_PER_SM: u32 = 8;
-
-/// A `read_floor` launch (kernels/rows.cu, benchmarks only) on a GPU of `sms` SMs, one full wave: reads `len` bytes
-/// from `src`; `out` takes the one store that never happens in practice.
-pub(crate) fn read_floor_spec(src: u64, len: u64, out: u64, sms: u32) -> LaunchSpec {
-    let p = FpReadFloor {
-        src,
-        bytes: len,
-        out,
-        never: 0x9e37_79b9,
-        pad: 0,
-    };
-    let grid = READ_FLOOR_BLOCKS_PER_SM * sms.max(1);
-    LaunchSpec::new("read_floor", bytes(&p), (grid, 1, 1), 256)
 }
 
 /// Parameters and launch of a `Linear` node: `linear_mxfp8` when its weight is held as MXFP8, else the BF16

@@ -5,7 +5,7 @@
 //! and MXFP8 linears, one-wave grids), [`hc`] (hyper-connections), [`gdn`] (Gated DeltaNet), [`attn`] (sparse
 //! attention), [`moe`] (router and experts), [`ple`] (per-layer embeddings), [`sample`] (sampling, keep counts).
 //! This module holds what they share, the per-variant passes ([`specs`]: fused linears, the hyper-connection
-//! norm's move into the write, the side branches) and the dispatch of a node to its family ([`spec`]).
+//! norm's move into the write, the side branches) and the dispatch of a node to its family ([`node_spec`]).
 
 mod attn;
 mod gdn;
@@ -25,13 +25,14 @@ use crate::backend::BackendError;
 use crate::cpu::kernels::Rope;
 use crate::cuda::params::*;
 use attn::SA_CHUNK;
-pub(crate) use gdn::commit_in_window_one;
+use gdn::commit_in_window_one;
 use hc::{fuse_hc_norm, hc_read_spec, hc_write_spec};
+pub(crate) use linear::tc_split;
 use linear::{linear_multi, split_items, SPLIT_ITEM_ELEMS};
-pub(crate) use linear::{read_floor_spec, tc_split};
 use moe::{branch_shared_experts, experts_spec, router_spec, shared_expert_spec};
 use ple::branch_ple_prep;
 pub(crate) use ple::{side_arena_buffers, side_arena_elems};
+pub(crate) use rows::read_floor_spec;
 use sample::SAMPLE_PARTS;
 
 /// Device addresses a node's parameters are bound to.
@@ -120,7 +121,7 @@ impl LaunchSpec {
     }
 }
 
-pub(super) fn bytes<T: Copy>(p: &T) -> Vec<u8> {
+fn bytes<T: Copy>(p: &T) -> Vec<u8> {
     // SAFETY: the mirrors are plain-old-data `#[repr(C)]` structs without padding holes that matter.
     unsafe {
         std::slice::from_raw_parts(p as *const T as *const u8, std::mem::size_of::<T>()).to_vec()
@@ -170,10 +171,10 @@ type ByRows = &'static [&'static str];
 /// they take tiles of this many rows (their entry points stop at t4), one grid row of blocks per tile, instead of
 /// one block walking every tile (each lane's activation loads for all the rows of a tile wait in turn; the
 /// weights, at most 13 MB, are read again per tile mostly from L2). The tile never changes a row's arithmetic.
-pub(super) const ROW_TILE_MAX: u32 = 4;
+const ROW_TILE_MAX: u32 = 4;
 
 /// Entry point and grid rows for a kernel over `rows` rows in tiles of at most [`ROW_TILE_MAX`] rows.
-pub(super) fn by_row_tiles(names: ByRows, rows: u32) -> (&'static str, u32) {
+fn by_row_tiles(names: ByRows, rows: u32) -> (&'static str, u32) {
     let (name, tile) = by_rows_tile(names, rows.min(ROW_TILE_MAX));
     (name, rows.div_ceil(tile).max(1))
 }
@@ -181,12 +182,12 @@ pub(super) fn by_row_tiles(names: ByRows, rows: u32) -> (&'static str, u32) {
 /// The entry point for a launch over `rows` rows: the smallest tile of 1, 2, 4, 8, 16 covering them, or the
 /// largest the kernel has (the kernel loops over tiles). Row invariance does not depend on the choice: a row's
 /// arithmetic is the same in every tile.
-pub(super) fn by_rows(names: ByRows, rows: u32) -> &'static str {
+fn by_rows(names: ByRows, rows: u32) -> &'static str {
     by_rows_tile(names, rows).0
 }
 
 /// [`by_rows`]'s entry point and its row tile (1, 2, 4, 8 or 16).
-pub(super) fn by_rows_tile(names: ByRows, rows: u32) -> (&'static str, u32) {
+fn by_rows_tile(names: ByRows, rows: u32) -> (&'static str, u32) {
     let i = match rows {
         0..=1 => 0,
         2 => 1,
@@ -198,13 +199,14 @@ pub(super) fn by_rows_tile(names: ByRows, rows: u32) -> (&'static str, u32) {
     (names[i], 1 << i)
 }
 
-/// The error of a parameter builder handed another op's node: `kernel`'s parameters asked of `op`.
-pub(super) fn wrong_op(kernel: &str, op: &Op) -> BackendError {
-    BackendError::Device(format!("{kernel} parameters for a `{}` node", op.kernel()))
+/// The error of a parameter builder handed another op's node: the parameters of `what` (a kernel, or a module's
+/// family of ops) asked of `op`.
+fn wrong_op(what: &str, op: &Op) -> BackendError {
+    BackendError::Device(format!("{what} parameters for a `{}` node", op.kernel()))
 }
 
 /// A launch of `kernel` over `grid` blocks (at least one) of `block` threads.
-pub(super) fn one(kernel: &'static str, params: Vec<u8>, grid: u32, block: u32) -> LaunchSpec {
+fn one(kernel: &'static str, params: Vec<u8>, grid: u32, block: u32) -> LaunchSpec {
     LaunchSpec::new(kernel, params, (grid.max(1), 1, 1), block)
 }
 
@@ -257,13 +259,13 @@ pub(crate) fn specs(
     let mut out = Vec::with_capacity(v.nodes.len());
     if !fuse_linears {
         for (i, n) in v.nodes.iter().enumerate() {
-            out.push(Some(spec(a, v, i, &n.op)?));
+            out.push(Some(node_spec(a, v, i, &n.op)?));
         }
     } else {
         let mxfp8 = |w: WeightId| a.mxfp8_scales.get(w.0 as usize).is_some_and(|&s| s != 0);
         for g in fuse::launch_groups(v, mxfp8) {
             if g.len() == 1 {
-                out.push(Some(spec(a, v, g.start, &v.nodes[g.start].op)?));
+                out.push(Some(node_spec(a, v, g.start, &v.nodes[g.start].op)?));
             } else {
                 let ops: Vec<&Op> = v.nodes[g.clone()].iter().map(|n| &n.op).collect();
                 out.push(Some(linear_multi(a, v, &ops)?));
@@ -301,12 +303,7 @@ pub(crate) fn side_scratch_elems(body: &PlanBody, op: &Op, rows: u64) -> u64 {
 
 /// Parameters and launch shape of node `node` (index in the variant; its counter is at `a.counters + 4 node`), from
 /// the module of its op's family.
-pub(crate) fn spec(
-    a: &Addrs,
-    v: &Variant,
-    node: usize,
-    op: &Op,
-) -> Result<LaunchSpec, BackendError> {
+fn node_spec(a: &Addrs, v: &Variant, node: usize, op: &Op) -> Result<LaunchSpec, BackendError> {
     match op {
         Op::EmbedStreams { .. }
         | Op::Embed { .. }

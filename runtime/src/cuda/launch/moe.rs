@@ -1,13 +1,11 @@
 //! Mixture of experts (kernels/moe.cu): the router with its top-k, the routed experts (gate/up, then down) and the
 //! shared expert, which runs on the graph's side branch beside the router.
 
-use flashplan_plan::{Op, Variant};
-
 use super::linear::one_wave;
 use super::*;
-use crate::cuda::params::*;
 
-/// The router's logits entry points per row tile (kernels/moe.cu; beyond 8 rows, tiles of 4 with `router_topk`).
+/// The router's logits entry points per row tile (kernels/moe.cu): up to 8 rows in one launch with
+/// `FLASHPLAN_FUSE_SMALL`; beyond 8 rows, or without it, tiles of at most 4 rows followed by `router_topk`.
 const ROUTER: ByRows = &["router_t1", "router_t2", "router_t4", "router_t8"];
 
 /// The shared expert's gate/up entry points per row tile (kernels/moe.cu).

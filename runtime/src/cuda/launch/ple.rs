@@ -1,10 +1,7 @@
 //! Per-layer embeddings (kernels/ple.cu): the n-gram embedding, the mix into the residual streams and the commit of
 //! the n-gram history and conv tail; the embedding and its projections on the graph's side branch.
 
-use flashplan_plan::{BufId, Op, Variant};
-
 use super::*;
-use crate::cuda::params::*;
 
 /// The PLE prep of a variant: a `PleEmbed` at `i`, the `Linear` nodes right after it that read its output (the
 /// key and value projections) up to `j`, and the `PleMix` at `m` that reads their outputs.
@@ -135,7 +132,7 @@ pub(super) fn branch_ple_prep(
             ..*a
         };
         // The branch's launches as `specs` makes them (a fused run of linears stands at its first node).
-        let mut launches = vec![super::spec(&side, v, i, &v.nodes[i].op)?];
+        let mut launches = vec![node_spec(&side, v, i, &v.nodes[i].op)?];
         let mut k = i + 1;
         while k < j {
             let end = (k + 1..j).find(|&e| out[e].is_some()).unwrap_or(j);
@@ -143,11 +140,11 @@ pub(super) fn branch_ple_prep(
                 let ops: Vec<&Op> = v.nodes[k..end].iter().map(|n| &n.op).collect();
                 linear_multi(&side, v, &ops)?
             } else {
-                super::spec(&side, v, k, &v.nodes[k].op)?
+                node_spec(&side, v, k, &v.nodes[k].op)?
             });
             k = end;
         }
-        let mut mix = super::spec(
+        let mut mix = node_spec(
             &Addrs {
                 moved: &moved,
                 ..*a

@@ -1,9 +1,7 @@
-//! Row-wise ops (kernels/rows.cu, kernels/norm.cu): embeddings, row gathers, RMS norm and broadcast adds.
-
-use flashplan_plan::{Op, Space, Variant};
+//! Row-wise ops (kernels/rows.cu, kernels/norm.cu): embeddings, row gathers, RMS norm and broadcast adds; and the
+//! benchmarks' `read_floor`.
 
 use super::*;
-use crate::cuda::params::*;
 
 /// Parameters and launch of a row-wise node (`EmbedStreams`, `Embed`, `GatherRows`, `LastRows`, `RmsNorm`,
 /// `AddBroadcast`).
@@ -108,6 +106,23 @@ pub(super) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
             // loads (`block_store_row`) instead of three; elementwise, so the block size never changes a value.
             one("add_broadcast", bytes(&p), rows, 1024)
         }
-        _ => return Err(wrong_op("row-wise", op)),
+        _ => return Err(wrong_op("rows", op)),
     })
+}
+
+/// Blocks of 256 threads of `read_floor` per SM: a full SM (its `__launch_bounds__(256, 8)`).
+const READ_FLOOR_BLOCKS_PER_SM: u32 = 8;
+
+/// A `read_floor` launch (kernels/rows.cu, benchmarks only) on a GPU of `sms` SMs, one full wave: reads `len` bytes
+/// from `src`; `out` takes the one store that never happens in practice.
+pub(crate) fn read_floor_spec(src: u64, len: u64, out: u64, sms: u32) -> LaunchSpec {
+    let p = FpReadFloor {
+        src,
+        bytes: len,
+        out,
+        never: 0x9e37_79b9,
+        pad: 0,
+    };
+    let grid = READ_FLOOR_BLOCKS_PER_SM * sms.max(1);
+    LaunchSpec::new("read_floor", bytes(&p), (grid, 1, 1), 256)
 }

@@ -1,10 +1,9 @@
 //! Sampling and keep counting (kernels/sample.cu, kernels/rows.cu): the keyed sampler over vocabulary slices, then
 //! per row; the count of kept drafts.
 
-use flashplan_plan::{Op, SampleRows, Variant};
+use flashplan_plan::SampleRows;
 
 use super::*;
-use crate::cuda::params::*;
 
 /// Vocabulary slices of `sample_part` (`SAMPLE_PARTS` in `kernels/sample.cu`).
 pub(super) const SAMPLE_PARTS: u32 = 64;

@@ -1,4 +1,5 @@
-//! Launch specs of the tiny plan: grids, fused launches, side branches and row splits.
+//! Launch specs of the tiny plan: grids, fused launches, side branches and row splits. Some items of the family
+//! modules are `pub(super)` only for these tests (the one-wave constants and shares, `linear_entry`, the PLE preps).
 
 use super::hc::*;
 use super::linear::*;
@@ -19,7 +20,7 @@ const SIDE_ARENA: u64 = 0x7000_0000;
 /// [`tiny_specs`] with the side scratch at `side_scratch` (0: no side branch).
 fn tiny_specs_side(fuse_small: bool, side_scratch: u64) -> Vec<(Variant, Vec<Option<LaunchSpec>>)> {
     specs_of(
-        &super::super::fuse::tests::tiny_plan(),
+        &crate::cuda::fuse::tests::tiny_plan(),
         fuse_small,
         side_scratch,
         132,
@@ -72,7 +73,7 @@ fn specs_of(
 #[test]
 fn on_one_sm_the_one_and_two_row_launches_take_one_wave_and_every_matrix_keeps_blocks() {
     let (mut seen, mut cut) = (0, 0);
-    let plan = super::super::fuse::tests::tiny_plan();
+    let plan = crate::cuda::fuse::tests::tiny_plan();
     let full = specs_of(&plan, true, SIDE_SCRATCH, 132);
     let one = specs_of(&plan, true, SIDE_SCRATCH, 1);
     for ((v, sp), (_, sp_full)) in one.into_iter().zip(&full) {
@@ -262,7 +263,7 @@ fn the_ple_embedding_and_projections_run_on_the_side_branch_until_ple_mix() {
 
 #[test]
 fn two_ple_layers_share_one_fork_and_each_ple_mix_joins() {
-    let body = super::super::fuse::tests::tiny_plan_with(|json| {
+    let body = crate::cuda::fuse::tests::tiny_plan_with(|json| {
         json["ple_layer_ids"] = serde_json::json!([2, 3]);
     });
     let mut seen = 0;
