@@ -99,7 +99,7 @@ pub fn inspect_path(path: &Path, opts: InspectOptions) -> anyhow::Result<String>
     }
 }
 
-/// Per-slot state bytes (device layout) by piece kind, in [`STATE_KINDS`] order, for kinds present.
+/// Per-slot state bytes (device layout) by piece kind, in `STATE_KINDS` order, for the kinds present.
 pub fn state_bytes_by_kind(body: &PlanBody) -> Vec<(StateKind, u64)> {
     STATE_KINDS
         .iter()

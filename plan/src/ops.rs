@@ -18,7 +18,7 @@ use crate::config::GateAct;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct BufId(pub u32);
 
-/// A weight: index into [`crate::PlanSet::weights`].
+/// A weight: index into [`crate::PlanBody::weights`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct WeightId(pub u32);
 
