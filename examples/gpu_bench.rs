@@ -51,12 +51,15 @@
 //!
 //! Usage (the H200 has no NVRTC: the cubins come from `FLASHPLAN_KERNEL_CACHE`, see `scripts/gpu_bench.sh`):
 //! `gpu_bench [--layers N] [--iters N] [--verify] [--streams] [--windows] [--drafter] [--read-floor] [--all] [--list]
-//! [--nodes]`. `--read-floor` times a plain read of as many bytes as each of a layer's largest weight streams and the
+//! [--nodes] [--pdl-ab]`. `--read-floor` times a plain read of as many bytes as each of a layer's largest weight streams and the
 //! lm_head, as one graph node (`CudaBackend::read_floor`): what a node could take at best. `--nodes` prints every
 //! node of lone-w1 and lone-w16 in plan order with its time (instead of the 12 largest). `--all` = `--verify
 //! --streams --windows --drafter --read-floor`. `--list` needs no GPU: it prints the node list and bytes, and for
 //! the chosen tables their byte counts (the distinct experts bounded: top-k per MoE layer when every row
-//! routes alike, `min(rows x top-k, experts)` when no two rows share an expert; exact for one row).
+//! routes alike, `min(rows x top-k, experts)` when no two rows share an expert; exact for one row). `--pdl-ab` (alone:
+//! it prints only its own table) times the windows of `--windows` and the stream counts of `--streams` with
+//! programmatic dependent launch on and off (`CudaBackend::set_pdl`), in alternation in one process, for a choice
+//! per variant.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -698,6 +701,66 @@ fn list_floors(body: &PlanBody, kinds: &[VariantKind], state_rw: u64) {
     }
 }
 
+/// Rounds of the `--pdl-ab` alternation: each round times every variant with programmatic dependent launch on,
+/// then off (the order flips every round).
+const PDL_AB_ROUNDS: usize = 6;
+
+/// `--pdl-ab`: lone-wR for the windows of `--windows` and verify-sS-w1 for the stream counts of `--streams`, each
+/// timed with programmatic dependent launch on and off (`CudaBackend::set_pdl`, graphs recaptured at every switch),
+/// [`PDL_AB_ROUNDS`] rounds in alternation of `iters / 5` replays each (median of the round medians): the data
+/// for a choice of programmatic launch per variant. Leaves it on.
+fn pdl_ab_table(be: &mut CudaBackend, pos: u32, iters: u32) -> anyhow::Result<()> {
+    let kinds: Vec<VariantKind> = WINDOWS
+        .iter()
+        .map(|&w| VariantKind::Lone { window: w })
+        .chain(STREAMS.iter().map(|&s| VariantKind::Verify {
+            streams: s,
+            window: 1,
+        }))
+        .collect();
+    let reps = (iters / 5).max(1);
+    let (mut on, mut off) = (vec![Vec::new(); kinds.len()], vec![Vec::new(); kinds.len()]);
+    for round in 0..PDL_AB_ROUNDS {
+        let order = if round % 2 == 0 {
+            [true, false]
+        } else {
+            [false, true]
+        };
+        for pdl in order {
+            be.set_pdl(pdl)?;
+            for (i, &kind) in kinds.iter().enumerate() {
+                let (s, w) = kind.shape();
+                let d = desc_streams(s, w, pos, 1000 + (s * w) as u64);
+                let t = be.replay_median(kind, &d, reps)?;
+                if pdl {
+                    on[i].push(t);
+                } else {
+                    off[i].push(t);
+                }
+            }
+        }
+    }
+    be.set_pdl(true)?;
+    println!(
+        "\n**Programmatic dependent launch, on and off.** {PDL_AB_ROUNDS} rounds in alternation of {reps} replays \
+         each, median of the round medians; rows at position {pos}, distinct tokens.\n"
+    );
+    println!("| variant | rows | PDL on us | PDL off us | off / on | faster |");
+    println!("|---|---|---|---|---|---|");
+    for (i, kind) in kinds.iter().enumerate() {
+        let (s, w) = kind.shape();
+        let (t_on, t_off) = (median(&mut on[i]), median(&mut off[i]));
+        println!(
+            "| {} | {} | {t_on:.1} | {t_off:.1} | {:.3} | {} |",
+            kind.name(),
+            s * w,
+            t_off / t_on,
+            if t_on <= t_off { "on" } else { "off" }
+        );
+    }
+    Ok(())
+}
+
 /// Rounds of the lone-w1 / verify-s1-w1 head-to-head (`--streams`).
 const HEAD_TO_HEAD: usize = 10;
 
@@ -785,11 +848,16 @@ fn main() -> anyhow::Result<()> {
     let drafter_t = all || flag("--drafter");
     let all_nodes = flag("--nodes");
     let read_floor_t = all || flag("--read-floor");
+    let pdl_ab = flag("--pdl-ab");
     let cfg = config(layers)?;
     let opts = CompileOptions {
         arch: if list { "cpu".into() } else { "sm_90a".into() },
         max_depth: 15,
-        streams: if streams_t { STREAMS.to_vec() } else { vec![1] },
+        streams: if streams_t || pdl_ab {
+            STREAMS.to_vec()
+        } else {
+            vec![1]
+        },
         context: 4096,
         prefill_chunk: 16,
     };
@@ -981,6 +1049,9 @@ fn main() -> anyhow::Result<()> {
     let mut be = CudaBackend::new_bf16(Arc::clone(&body), w)?;
     println!("uploaded in {:.1} s", t0.elapsed().as_secs_f64());
     let pos = opts.context as u32 - 17;
+    if pdl_ab {
+        return pdl_ab_table(&mut be, pos, iters);
+    }
     let mut cache: BTreeMap<VariantKind, Meas> = BTreeMap::new();
     println!();
     println!("| variant | rows | time/replay us | sum of nodes us | overhead us | nodes | distinct experts | bytes MB | GB/s | % of 4.25 TB/s |");

@@ -191,6 +191,7 @@ enum Cmd {
     Replays(usize, Vec<u8>, u32, Sender<Result<f64, BackendError>>),
     ReadFloor(Vec<u64>, Sender<Result<Vec<f64>, BackendError>>),
     GridSms(u32, Sender<Result<(), BackendError>>),
+    Pdl(bool, Sender<Result<(), BackendError>>),
 }
 
 /// The CUDA backend handle.
@@ -418,14 +419,24 @@ impl CudaBackend {
         self.call(|tx| Cmd::ReadFloor(sizes.to_vec(), tx))
     }
 
-    /// Sizes the one-wave grids (`launch::linear::one_wave`) as for a GPU of `sms` SMs, or of this GPU's own count with 0,
-    /// and drops the captured graphs so that the next runs capture with it. For tests: with a small count every
+    /// Sizes the one-wave grids (`launch::linear::one_wave`) as for a GPU of `sms` SMs, or of this GPU's own count with
+    /// 0, and drops the captured graphs so that the next runs capture with it. For tests: with a small count every
     /// block loops over many m-tiles and experts' items, which must give the same bits as this GPU's own grids.
     ///
     /// # Errors
     /// A device error.
     pub fn set_grid_sms(&mut self, sms: u32) -> Result<(), BackendError> {
         self.call(|tx| Cmd::GridSms(sms, tx))
+    }
+
+    /// Launches every kernel as a programmatic dependent launch (`on`) or as a plain one, as `FLASHPLAN_PDL` does at
+    /// start, and drops the captured graphs so that the next runs capture with it. For benchmarks: one process times
+    /// each variant both ways in alternation (`gpu_bench --pdl-ab`); the results are the same bits either way.
+    ///
+    /// # Errors
+    /// A device error.
+    pub fn set_pdl(&mut self, on: bool) -> Result<(), BackendError> {
+        self.call(|tx| Cmd::Pdl(on, tx))
     }
 
     /// Reads one of a variant's buffers (arena or io) as the last replay left it (f32 elements; u32 buffers such

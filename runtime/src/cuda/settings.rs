@@ -27,12 +27,12 @@ fn switch_setting(name: &str, what: &str, default: bool) -> Result<bool, Backend
     }
 }
 
-/// `FLASHPLAN_PDL`: `1` (default) launches every kernel as a programmatic dependent launch, `0` as a plain launch
-/// (the results are the same). Each kernel waits for the previous one before it lets the next be scheduled
+/// `FLASHPLAN_PDL`: `1` (default) launches every kernel as a programmatic dependent launch, `0` as a plain launch (the
+/// results are the same). Each kernel waits for the previous one before it lets the next be scheduled
 /// (kernels/common.cuh `pdl_start`), so the next kernel's blocks take the SM slots the current one leaves free and
 /// start the moment it completes. On the H200 it was neutral while the large launches ran in several waves (fourth
-/// session: 1125 against 1133 us); with the one- and two-row grids in one wave (`launch::linear::one_wave`) it pays in one
-/// A/B run: lone-w1 927 -> 901 us, lone-w2 1101 -> 1084 us, lone-w4 unchanged, but lone-w8 1769 -> 1795-1801 us
+/// session: 1125 against 1133 us); with the one- and two-row grids in one wave (`launch::linear::one_wave`) it pays in
+/// one A/B run: lone-w1 927 -> 901 us, lone-w2 1101 -> 1084 us, lone-w4 unchanged, but lone-w8 1769 -> 1795-1801 us
 /// (docs/benchmarks.md, tenth session).
 pub(super) fn pdl_setting() -> Result<bool, BackendError> {
     switch_setting("FLASHPLAN_PDL", "programmatic dependent launches", true)

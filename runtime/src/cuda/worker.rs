@@ -263,6 +263,11 @@ impl Worker {
                     self.graphs.clear();
                     let _ = tx.send(Ok(()));
                 }
+                Cmd::Pdl(on, tx) => {
+                    self.pdl = on;
+                    self.graphs.clear();
+                    let _ = tx.send(Ok(()));
+                }
             }
         }
     }
