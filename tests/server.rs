@@ -209,8 +209,38 @@ fn bad_requests_get_400_naming_the_problem() {
         ),
         (
             json!({"prompt": [1, 2, 3], "max_tokens": 100000}).to_string(),
-            json!("prompt"),
-            "exceeds the context",
+            json!("max_tokens"),
+            "at most 500 reply tokens",
+        ),
+        (
+            json!({"prompt": "a", "max_tokens": u64::MAX}).to_string(),
+            json!("max_tokens"),
+            "from 1 to",
+        ),
+        (
+            json!({"prompt": "a", "max_token": 5}).to_string(),
+            json!("max_token"),
+            "unrecognized request argument",
+        ),
+        (
+            json!({"prompt": "a", "logit_bias": {"11": -100}}).to_string(),
+            json!("logit_bias"),
+            "not supported",
+        ),
+        (
+            json!({"prompt": "a", "temperature": 5}).to_string(),
+            json!("temperature"),
+            "from 0 to 2",
+        ),
+        (
+            json!({"prompt": "a", "seed": -1}).to_string(),
+            json!("seed"),
+            "from 0 to",
+        ),
+        (
+            json!({"prompt": "a", "stop_token_ids": [99_999_999]}).to_string(),
+            json!("stop_token_ids"),
+            "outside the vocabulary",
         ),
     ] {
         let r = post("/v1/completions", &body);
@@ -230,6 +260,32 @@ fn bad_requests_get_400_naming_the_problem() {
     );
     assert_eq!(r.status, 400);
     assert_eq!(r.json()["error"]["param"], "messages");
+    let r = post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "wizard", "content": "hi"}]}).to_string(),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(r.json()["error"]["param"], "messages[0].role");
+    // An unknown model is a 404 (OpenAI's answer), naming the model this server serves.
+    let r = post(
+        "/v1/completions",
+        &json!({"prompt": "a", "model": "gpt-4"}).to_string(),
+    );
+    assert_eq!(r.status, 404, "{}", r.body);
+    let e = &r.json()["error"];
+    assert_eq!(e["code"], "model_not_found");
+    assert!(e["message"]
+        .as_str()
+        .unwrap_or("")
+        .contains("flashnext-tiny"));
+    // Unimplemented fields at the value that changes nothing are accepted (client libraries send them).
+    let r = post(
+        "/v1/completions",
+        &json!({"prompt": "a", "model": "flashnext-tiny", "max_tokens": 1, "presence_penalty": 0,
+                "frequency_penalty": 0.0, "logit_bias": {}, "user": "u", "n": 1})
+        .to_string(),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
 }
 
 #[test]

@@ -106,17 +106,105 @@ fn num(m: &Map<String, Value>, k: &str) -> Result<Option<f64>, ApiError> {
     }
 }
 
-/// An optional integer field.
-fn int(m: &Map<String, Value>, k: &str) -> Result<Option<i64>, ApiError> {
+/// An optional integer field (any JSON integer: `i64` or `u64`, so that no value wraps).
+fn int(m: &Map<String, Value>, k: &str) -> Result<Option<i128>, ApiError> {
     match present(m, k) {
         None => Ok(None),
         Some(v) => v
             .as_i64()
-            .or_else(|| v.as_u64().map(|u| u as i64))
+            .map(i128::from)
+            .or_else(|| v.as_u64().map(i128::from))
             .map(Some)
             .ok_or_else(|| wrong(k, "an integer", v)),
     }
 }
+
+/// The fields a generation request may carry besides its prompt (`prompt` or `messages`); `user` is accepted and
+/// not used.
+const FIELDS: &[&str] = &[
+    "model",
+    "max_tokens",
+    "max_completion_tokens",
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "stream",
+    "stream_options",
+    "ignore_eos",
+    "draft",
+    "logprobs",
+    "echo",
+    "user",
+];
+
+/// OpenAI fields this server does not implement, accepted only at the value that changes nothing (a client library
+/// may send them so); any other value is a 400 naming the field.
+fn neutral(k: &str, v: &Value) -> Option<bool> {
+    let zero = |v: &Value| v.as_f64() == Some(0.0);
+    let empty = |v: &Value| match v {
+        Value::Array(a) => a.is_empty(),
+        Value::Object(o) => o.is_empty(),
+        Value::String(s) => s.is_empty(),
+        _ => false,
+    };
+    Some(match k {
+        "presence_penalty" | "frequency_penalty" | "top_logprobs" => zero(v),
+        "repetition_penalty" | "best_of" => v.as_f64() == Some(1.0),
+        "logit_bias" | "tools" | "functions" | "suffix" => empty(v),
+        "tool_choice" | "function_call" => v.as_str() == Some("none"),
+        "parallel_tool_calls" => v.is_boolean(),
+        "response_format" => v.get("type").and_then(Value::as_str) == Some("text"),
+        _ => return None,
+    })
+}
+
+/// Refuses a field this server does not know (a misspelt `max_tokens` would otherwise mean "the rest of the
+/// context"), or an unimplemented one at a value that would change the reply.
+fn check_fields(m: &Map<String, Value>, chat: bool) -> Result<(), ApiError> {
+    let prompt = if chat { "messages" } else { "prompt" };
+    for (k, v) in m {
+        if k == prompt || FIELDS.contains(&k.as_str()) || v.is_null() {
+            continue;
+        }
+        match neutral(k, v) {
+            Some(true) => {}
+            Some(false) => {
+                return Err(ApiError::invalid(
+                    Some(k),
+                    format!("`{k}` is not supported by this server (got {v})"),
+                )
+                .code("unsupported_parameter"))
+            }
+            None => {
+                return Err(ApiError::invalid(
+                    Some(k),
+                    format!(
+                        "unrecognized request argument `{k}` (a {} request takes `{prompt}`, {})",
+                        if chat {
+                            "chat completion"
+                        } else {
+                            "completion"
+                        },
+                        FIELDS.join(", ")
+                    ),
+                )
+                .code("unrecognized_argument"))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The highest `temperature` accepted (OpenAI's range is [0, 2]).
+const MAX_TEMPERATURE: f64 = 2.0;
+
+/// Roles a chat message may have (those the chat templates know).
+const ROLES: &[&str] = &["system", "user", "assistant", "tool"];
 
 /// An optional boolean field.
 pub fn boolean(m: &Map<String, Value>, k: &str) -> Result<Option<bool>, ApiError> {
@@ -190,6 +278,15 @@ fn parse_messages(m: &Map<String, Value>) -> Result<Prompt, ApiError> {
             .get("role")
             .and_then(|r| r.as_str())
             .ok_or_else(|| ApiError::invalid(Some(&p), format!("`{p}.role` must be a string")))?;
+        if !ROLES.contains(&role) {
+            return Err(ApiError::invalid(
+                Some(&format!("{p}.role")),
+                format!(
+                    "`{p}.role` must be one of {}, got {role:?}",
+                    ROLES.join(", ")
+                ),
+            ));
+        }
         let content = match o.get("content") {
             None | Some(Value::Null) => String::new(),
             Some(Value::String(s)) => s.clone(),
@@ -226,6 +323,7 @@ fn parse_messages(m: &Map<String, Value>) -> Result<Prompt, ApiError> {
 /// # Errors
 /// 400 naming the field that is missing, of the wrong type or out of range.
 pub fn parse_gen(m: &Map<String, Value>, chat: bool) -> Result<GenParams, ApiError> {
+    check_fields(m, chat)?;
     let model = match present(m, "model") {
         None => None,
         Some(Value::String(s)) => Some(s.clone()),
@@ -239,10 +337,10 @@ pub fn parse_gen(m: &Map<String, Value>, chat: bool) -> Result<GenParams, ApiErr
     let mut max_tokens = None;
     for k in ["max_tokens", "max_completion_tokens"] {
         if let Some(n) = int(m, k)? {
-            if n < 1 || n > u32::MAX as i64 {
+            if n < 1 || n > i128::from(u32::MAX) {
                 return Err(ApiError::invalid(
                     Some(k),
-                    format!("`{k}` must be at least 1, got {n}"),
+                    format!("`{k}` must be from 1 to {}, got {n}", u32::MAX),
                 ));
             }
             max_tokens = Some(n as u32);
@@ -257,11 +355,17 @@ pub fn parse_gen(m: &Map<String, Value>, chat: bool) -> Result<GenParams, ApiErr
         }
     }
     let temperature = num(m, "temperature")?.unwrap_or(1.0);
+    if temperature > MAX_TEMPERATURE {
+        return Err(ApiError::invalid(
+            Some("temperature"),
+            format!("`temperature` must be from 0 to {MAX_TEMPERATURE}, got {temperature}"),
+        ));
+    }
     let top_p = num(m, "top_p")?.unwrap_or(1.0);
     let min_p = num(m, "min_p")?.unwrap_or(0.0);
     let top_k = match int(m, "top_k")? {
         None | Some(-1) => 0,
-        Some(k) if (0..=u32::MAX as i64).contains(&k) => k as u32,
+        Some(k) if (0..=i128::from(u32::MAX)).contains(&k) => k as u32,
         Some(k) => {
             return Err(ApiError::invalid(
                 Some("top_k"),
@@ -284,7 +388,15 @@ pub fn parse_gen(m: &Map<String, Value>, chat: bool) -> Result<GenParams, ApiErr
         };
         return Err(ApiError::invalid(Some(param), e.to_string()));
     }
-    let seed = int(m, "seed")?.map(|s| s as u64);
+    let seed = match int(m, "seed")? {
+        None => None,
+        Some(s) => Some(u64::try_from(s).map_err(|_| {
+            ApiError::invalid(
+                Some("seed"),
+                format!("`seed` must be from 0 to {}, got {s}", u64::MAX),
+            )
+        })?),
+    };
     let stop = match present(m, "stop") {
         None => vec![],
         Some(Value::String(s)) => vec![s.clone()],
@@ -364,6 +476,29 @@ mod tests {
             (r#"{"prompt": [1, -2]}"#, Some("prompt")),
             (r#"{"prompt": "a""#, None),
             (r#"{"temperature": 0}"#, Some("prompt")),
+            (
+                r#"{"prompt": "a", "temperature": 2.5}"#,
+                Some("temperature"),
+            ),
+            (
+                r#"{"prompt": "a", "max_tokens": 18446744073709551615}"#,
+                Some("max_tokens"),
+            ),
+            (r#"{"prompt": "a", "seed": -3}"#, Some("seed")),
+            (r#"{"prompt": "a", "maxtokens": 3}"#, Some("maxtokens")),
+            (r#"{"prompt": "a", "messages": []}"#, Some("messages")),
+            (
+                r#"{"prompt": "a", "frequency_penalty": 0.5}"#,
+                Some("frequency_penalty"),
+            ),
+            (
+                r#"{"prompt": "a", "response_format": {"type": "json_object"}}"#,
+                Some("response_format"),
+            ),
+            (
+                r#"{"prompt": "a", "top_logprobs": 2}"#,
+                Some("top_logprobs"),
+            ),
         ] {
             let e = p(body, false).unwrap_err();
             assert_eq!(e.status, 400, "{body}");
@@ -371,5 +506,14 @@ mod tests {
         }
         assert!(p(r#"{"messages": "hi"}"#, true).is_err());
         assert!(p(r#"{"messages": [{"role": "user", "content": "hi"}]}"#, true).is_ok());
+        assert!(p(r#"{"messages": [{"role": "bot", "content": "hi"}]}"#, true).is_err());
+        // The neutral values of unimplemented fields pass; the largest seed does not wrap.
+        let g = p(
+            r#"{"prompt": "a", "presence_penalty": 0, "logit_bias": {}, "tools": [], "tool_choice": "none",
+                "response_format": {"type": "text"}, "best_of": 1, "seed": 18446744073709551615, "user": "x"}"#,
+            false,
+        )
+        .unwrap();
+        assert_eq!(g.seed, Some(u64::MAX));
     }
 }

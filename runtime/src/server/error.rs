@@ -35,6 +35,14 @@ impl ApiError {
         }
     }
 
+    /// A 404 `invalid_request_error` about `param` (OpenAI's answer to an unknown model).
+    pub fn not_found(param: Option<&str>, message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::NOT_FOUND,
+            ..ApiError::invalid(param, message)
+        }
+    }
+
     /// Sets the code.
     pub fn code(mut self, code: &'static str) -> Self {
         self.code = Some(code);

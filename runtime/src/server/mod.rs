@@ -127,6 +127,16 @@ fn usage(c: &Completion) -> Value {
 
 /// Tokenizes the prompt and builds the engine request.
 fn build(state: &AppState, p: &GenParams, chat: bool) -> Result<GenRequest, ApiError> {
+    if let Some(m) = p.model.as_deref().filter(|&m| m != state.model_name) {
+        return Err(ApiError::not_found(
+            Some("model"),
+            format!(
+                "the model `{m}` does not exist: this server serves `{}` (GET /v1/models)",
+                state.model_name
+            ),
+        )
+        .code("model_not_found"));
+    }
     let tok = &state.service.tokenizer;
     let ids = match &p.prompt {
         Prompt::Ids(ids) => ids.clone(),
@@ -170,6 +180,30 @@ fn build(state: &AppState, p: &GenParams, chat: bool) -> Result<GenRequest, ApiE
             ),
         )
         .code("context_length_exceeded"));
+    }
+    if let Some(n) = p.max_tokens.filter(|&n| n as u64 > room) {
+        let k = "max_tokens";
+        return Err(ApiError::invalid(
+            Some(k),
+            format!(
+                "`{k}` {n} does not fit: the context of {} tokens holds the prompt's {}, {} kept for one verify window \
+                 and at most {room} reply tokens",
+                info.context,
+                ids.len(),
+                info.max_depth + 1
+            ),
+        )
+        .code("context_length_exceeded"));
+    }
+    if let Some(&bad) = p.stop_token_ids.iter().find(|&&t| t >= info.vocab_size) {
+        return Err(ApiError::invalid(
+            Some("stop_token_ids"),
+            format!(
+                "token id {bad} is outside the vocabulary of {}",
+                info.vocab_size
+            ),
+        )
+        .code("invalid_token_id"));
     }
     let max_tokens = p.max_tokens.unwrap_or(room.min(u32::MAX as u64) as u32);
     let mut stop_token_ids = p.stop_token_ids.clone();
