@@ -50,15 +50,32 @@ pub struct Loaded {
     pub name: String,
 }
 
+/// A folder named by the environment variable `name`: `None` when unset.
+///
+/// # Errors
+/// Set but empty (it would mean the current directory): refused, naming the variable.
+pub fn folder_var(name: &str) -> anyhow::Result<Option<PathBuf>> {
+    match std::env::var_os(name) {
+        None => Ok(None),
+        Some(d) if d.is_empty() => {
+            anyhow::bail!("{name} is set but empty: expected a folder (unset it for the default)")
+        }
+        Some(d) => Ok(Some(PathBuf::from(d))),
+    }
+}
+
 /// The plans cache directory: `$FLASHPLAN_CACHE`, else `~/.cache/flashplan/plans`.
-pub fn cache_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("FLASHPLAN_CACHE") {
-        return PathBuf::from(d);
+///
+/// # Errors
+/// As [`folder_var`].
+pub fn cache_dir() -> anyhow::Result<PathBuf> {
+    if let Some(d) = folder_var("FLASHPLAN_CACHE")? {
+        return Ok(d);
     }
     let home = std::env::var_os("HOME")
         .map(PathBuf::from)
         .unwrap_or_else(std::env::temp_dir);
-    home.join(".cache/flashplan/plans")
+    Ok(home.join(".cache/flashplan/plans"))
 }
 
 /// Which backend to use: `FLASHPLAN_BACKEND` = `auto` (default: CUDA when a usable GPU is present, else CPU),
@@ -77,10 +94,11 @@ pub enum BackendChoice {
 /// The backend choice from `FLASHPLAN_BACKEND`.
 pub fn backend_choice() -> anyhow::Result<BackendChoice> {
     match std::env::var("FLASHPLAN_BACKEND").as_deref() {
-        Err(_) | Ok("") | Ok("auto") => Ok(BackendChoice::Auto),
+        Err(std::env::VarError::NotPresent) | Ok("auto") => Ok(BackendChoice::Auto),
         Ok("cpu") => Ok(BackendChoice::Cpu),
         Ok("cuda") => Ok(BackendChoice::Cuda),
         Ok(other) => anyhow::bail!("FLASHPLAN_BACKEND={other:?}: expected auto, cpu or cuda"),
+        Err(e) => anyhow::bail!("FLASHPLAN_BACKEND: {e}: expected auto, cpu or cuda"),
     }
 }
 
@@ -134,7 +152,7 @@ pub fn plans_for(
         .take(8)
         .map(|b| format!("{b:02x}"))
         .collect();
-    let file = cache_dir().join(key).join(PLAN_FILE);
+    let file = cache_dir()?.join(key).join(PLAN_FILE);
     if file.exists() {
         if let Ok(set) = PlanSet::read(&file) {
             return Ok(set);
@@ -220,11 +238,12 @@ pub fn load_backend(
     if choice != BackendChoice::Cpu {
         match gpu_arch() {
             Ok((arch, _)) => {
-                if std::env::var_os("FLASHPLAN_KERNEL_CACHE").is_none() {
-                    let dir = cache_dir()
+                if folder_var("FLASHPLAN_KERNEL_CACHE")?.is_none() {
+                    let plans = cache_dir()?;
+                    let dir = plans
                         .parent()
                         .map(|p| p.join("kernels"))
-                        .unwrap_or_else(|| cache_dir().join("kernels"));
+                        .unwrap_or_else(|| plans.join("kernels"));
                     std::env::set_var("FLASHPLAN_KERNEL_CACHE", dir);
                 }
                 let mut o = copts.clone();
@@ -264,9 +283,19 @@ pub fn engine_options(parallel: u32, max_depth: u32) -> anyhow::Result<EngineOpt
 
 /// Checks the environment before anything slow happens.
 pub fn check_env() -> anyhow::Result<()> {
+    check_folders()?;
     backend_choice()?;
     flashplan_runtime::cuda::check_env()?;
     engine_options(1, 1).map(|_| ())
+}
+
+/// Checks the folder variables (`FLASHPLAN_CACHE`, `FLASHPLAN_KERNEL_CACHE`): every command reads one.
+///
+/// # Errors
+/// As [`folder_var`].
+pub fn check_folders() -> anyhow::Result<()> {
+    folder_var("FLASHPLAN_CACHE")?;
+    folder_var("FLASHPLAN_KERNEL_CACHE").map(|_| ())
 }
 
 /// Loads plans, checkpoint and tokenizer, and builds the engine.

@@ -61,6 +61,36 @@ fn unknown_cuda_switch_value_refuses_to_start_on_any_backend() {
 }
 
 #[test]
+fn an_empty_folder_or_backend_variable_refuses_to_start() {
+    // An empty folder would mean the current directory; an empty backend is not one of its values.
+    for (var, args) in [
+        ("FLASHPLAN_CACHE", &["demo"][..]),
+        ("FLASHPLAN_KERNEL_CACHE", &["demo"][..]),
+        ("FLASHPLAN_BACKEND", &["demo"][..]),
+        (
+            "FLASHPLAN_KERNEL_CACHE",
+            &[
+                "compile",
+                "--config",
+                "configs/flashnext-tiny.json",
+                "--out",
+                "/nonexistent/plans",
+            ][..],
+        ),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_flashplan"))
+            .args(args)
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .env(var, "")
+            .output()
+            .expect("runs flashplan");
+        assert!(!out.status.success(), "{var}= was accepted by {args:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(var), "{args:?}: {stderr}");
+    }
+}
+
+#[test]
 fn a_missing_model_directory_is_named() {
     let missing = tempfile::tempdir()
         .expect("tempdir")

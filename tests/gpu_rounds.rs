@@ -52,7 +52,7 @@ const PASSAGE: &str = "ints have
 /// `FLASHPLAN_GPU_ROUNDS_DRY=1`: run every check with the CPU backend in place of the CUDA one (checks the harness
 /// on a machine without a GPU).
 fn dry() -> bool {
-    std::env::var("FLASHPLAN_GPU_ROUNDS_DRY").as_deref() == Ok("1")
+    switch("FLASHPLAN_GPU_ROUNDS_DRY")
 }
 
 fn gpu_arch() -> &'static str {

@@ -34,6 +34,14 @@ pub enum NvrtcError {
     /// libnvrtc could not be loaded.
     #[error("NVRTC (libnvrtc.so.13) is not on the loader path: run scripts/setup_nvrtc.sh and export what it prints (LD_LIBRARY_PATH), or set FLASHPLAN_KERNEL_CACHE to a folder of prebuilt cubins")]
     Missing,
+    /// NVRTC is missing and the kernel cache has no usable cubin for a module of these sources.
+    #[error("NVRTC (libnvrtc.so.13) is not on the loader path and FLASHPLAN_KERNEL_CACHE has no usable {path} ({why}); cubins are keyed by a hash of the kernel sources: fill the cache on a machine with NVRTC (scripts/setup_nvrtc.sh), or run there")]
+    MissingCubin {
+        /// The cubin looked for.
+        path: std::path::PathBuf,
+        /// Missing, or why the file there is unusable.
+        why: String,
+    },
     /// The arch is not an NVIDIA arch.
     #[error("arch {0}: expected an NVIDIA arch such as sm_90a")]
     Arch(String),
@@ -77,9 +85,50 @@ fn module_hash(name: &str, src: &str) -> String {
     flashplan_plan::format::kernel_module_hash(name, src, sources())
 }
 
-fn cache_path(stem: &str, hash: &str, arch: &str) -> Option<std::path::PathBuf> {
-    let dir = std::env::var_os("FLASHPLAN_KERNEL_CACHE")?;
-    Some(std::path::PathBuf::from(dir).join(format!("{stem}-{}-{arch}.cubin", &hash[..16])))
+/// The kernel cache folder (`FLASHPLAN_KERNEL_CACHE`), if set.
+fn cache_dir() -> Option<std::path::PathBuf> {
+    std::env::var_os("FLASHPLAN_KERNEL_CACHE").map(std::path::PathBuf::from)
+}
+
+/// A module's cubin in the cache folder `dir`: named by the module, its hash and the arch.
+fn cache_path(dir: &std::path::Path, stem: &str, hash: &str, arch: &str) -> std::path::PathBuf {
+    dir.join(format!("{stem}-{}-{arch}.cubin", &hash[..16]))
+}
+
+/// Module `name`'s cubin from the cache folder `cache` when a whole one is there, else compiled (and then written to
+/// the cache, whole or not at all: a temporary file renamed, so a crash or a second process never leaves a truncated
+/// cubin for later runs; the cache is an optimisation, so a failure to write it is not an error).
+///
+/// # Errors
+/// [`NvrtcError::MissingCubin`] when NVRTC is missing and the cache has no whole cubin; else as [`compile_source`].
+fn cached_or_compiled(
+    name: &str,
+    src: &str,
+    hash: &str,
+    arch: &str,
+    cache: Option<&std::path::Path>,
+) -> Result<Vec<u8>, NvrtcError> {
+    let stem = name.trim_end_matches(".cu");
+    let path = cache.map(|d| cache_path(d, stem, hash, arch));
+    let cached = path.as_ref().map(|p| match std::fs::read(p) {
+        Ok(c) if cubin_is_whole(&c) => Ok(c),
+        Ok(_) => Err("the file there is truncated or not a cubin".to_string()),
+        Err(e) => Err(e.to_string()),
+    });
+    if let Some(Ok(c)) = cached {
+        return Ok(c);
+    }
+    let c = compile_one(name, src, arch).map_err(|e| match (e, &path, cached) {
+        (NvrtcError::Missing, Some(p), Some(Err(why))) => NvrtcError::MissingCubin {
+            path: p.clone(),
+            why,
+        },
+        (e, ..) => e,
+    })?;
+    if let Some(p) = &path {
+        let _ = flashplan_plan::format::write_atomic(p, &c);
+    }
+    Ok(c)
 }
 
 /// Compiles every bundled `.cu` module for `arch` (e.g. `sm_90a`) into cubin.
@@ -94,20 +143,7 @@ pub fn compile_kernels(arch: &str) -> Result<Vec<KernelModule>, NvrtcError> {
     for (name, src) in sources().iter().filter(|(n, _)| n.ends_with(".cu")) {
         let stem = name.trim_end_matches(".cu").to_string();
         let hash = module_hash(name, src);
-        let cached = cache_path(&stem, &hash, arch).and_then(|p| std::fs::read(p).ok());
-        let cubin = match cached {
-            Some(c) => c,
-            None => {
-                let c = compile_one(name, src, arch)?;
-                if let Some(p) = cache_path(&stem, &hash, arch) {
-                    if let Some(d) = p.parent() {
-                        let _ = std::fs::create_dir_all(d);
-                    }
-                    let _ = std::fs::write(&p, &c);
-                }
-                c
-            }
-        };
+        let cubin = cached_or_compiled(name, src, &hash, arch, cache_dir().as_deref())?;
         out.push(KernelModule {
             name: stem,
             source_hash: hash,
@@ -116,6 +152,31 @@ pub fn compile_kernels(arch: &str) -> Result<Vec<KernelModule>, NvrtcError> {
         });
     }
     Ok(out)
+}
+
+/// Whether `bytes` look like a whole ELF file (a cubin): the ELF magic, 64-bit, and the section header table inside
+/// the file. A truncated cache file fails this and is compiled again.
+fn cubin_is_whole(bytes: &[u8]) -> bool {
+    let u16_at = |o: usize| {
+        bytes
+            .get(o..o + 2)
+            .map(|b| u16::from_le_bytes([b[0], b[1]]) as u64)
+    };
+    let u64_at = |o: usize| {
+        bytes
+            .get(o..o + 8)
+            .and_then(|b| b.try_into().ok())
+            .map(u64::from_le_bytes)
+    };
+    if bytes.len() < 64 || &bytes[..4] != b"\x7fELF" || bytes[4] != 2 {
+        return false;
+    }
+    match (u64_at(0x28), u16_at(0x3A), u16_at(0x3C)) {
+        (Some(shoff), Some(shentsize), Some(shnum)) => shoff
+            .checked_add(shentsize * shnum)
+            .is_some_and(|end| end <= bytes.len() as u64),
+        _ => false,
+    }
 }
 
 /// Compiles one source (with the bundled headers available) into cubin; any diagnostic fails.
@@ -210,6 +271,43 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_truncated_cached_cubin_is_never_used() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (name, src) = ("probe.cu", "extern \"C\" __global__ void probe() {}\n");
+        let hash = module_hash(name, src);
+        let path = cache_path(dir.path(), "probe", &hash, "sm_90a");
+        std::fs::write(&path, b"\x7fELF\x02 cut short").expect("write");
+        match cached_or_compiled(name, src, &hash, "sm_90a", Some(dir.path())) {
+            // With NVRTC: compiled again, and the cache now holds the whole cubin.
+            Ok(c) => {
+                assert!(cubin_is_whole(&c));
+                assert_eq!(std::fs::read(&path).expect("cache"), c);
+            }
+            // Without: refused, naming the file and why.
+            Err(NvrtcError::MissingCubin { path: p, why }) => {
+                assert_eq!(p, path);
+                assert!(why.contains("truncated"), "{why}");
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    #[test]
+    fn a_whole_elf_file_has_its_section_headers_inside() {
+        // A 64-bit ELF header whose section header table (2 entries of 64 bytes) starts at byte 64.
+        let mut elf = vec![0u8; 64 + 128];
+        elf[..5].copy_from_slice(b"\x7fELF\x02");
+        elf[0x28..0x30].copy_from_slice(&64u64.to_le_bytes());
+        elf[0x3A..0x3C].copy_from_slice(&64u16.to_le_bytes());
+        elf[0x3C..0x3E].copy_from_slice(&2u16.to_le_bytes());
+        assert!(cubin_is_whole(&elf));
+        assert!(!cubin_is_whole(&elf[..elf.len() - 1]));
+        assert!(!cubin_is_whole(
+            b"not an elf file at all, but long enough to pass the size check for sure...."
+        ));
+    }
+
+    #[test]
     fn entry_points_read_names_with_and_without_launch_bounds() {
         let src = "extern \"C\" __global__ void plain(const P p) {}\n\
                    extern \"C\" __global__ void __launch_bounds__(256, 2) bounded(const P p) {}\n\
@@ -285,8 +383,13 @@ mod tests {
         // SAFETY: only loads the library.
         let present = unsafe { cudarc::nvrtc::sys::is_culib_present() };
         if !present {
+            let require = match std::env::var("FLASHPLAN_REQUIRE_NVRTC") {
+                Err(std::env::VarError::NotPresent) => false,
+                Ok(v) if v == "1" || v == "0" => v == "1",
+                other => panic!("FLASHPLAN_REQUIRE_NVRTC={other:?}: expected 1 or 0"),
+            };
             assert!(
-                std::env::var("FLASHPLAN_REQUIRE_NVRTC").as_deref() != Ok("1"),
+                !require,
                 "FLASHPLAN_REQUIRE_NVRTC=1 but libnvrtc.so.13 is not on the loader path"
             );
             eprintln!("skipped: NVRTC not found (run scripts/setup_nvrtc.sh)");

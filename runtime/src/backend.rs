@@ -18,6 +18,9 @@ pub enum BackendError {
     /// A device error.
     #[error("device: {0}")]
     Device(String),
+    /// An environment switch with a value it does not accept (the message names the variable and the values).
+    #[error("{0}")]
+    Setting(String),
 }
 
 /// A backend that replays plan variants.

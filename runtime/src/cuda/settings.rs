@@ -6,7 +6,7 @@ use crate::backend::BackendError;
 /// A `1`/`0` switch of the CUDA backend read from the environment (default on when unset).
 ///
 /// # Errors
-/// Any other value: [`BackendError::Device`] naming the variable, what `1` does and the accepted values.
+/// Any other value: [`BackendError::Setting`] naming the variable, what `1` does and the accepted values.
 fn switch_setting(name: &str, what: &str, default: bool) -> Result<bool, BackendError> {
     match std::env::var(name) {
         Err(_) => Ok(default),
@@ -15,11 +15,11 @@ fn switch_setting(name: &str, what: &str, default: bool) -> Result<bool, Backend
             "0" => Ok(false),
             _ => {
                 let (on, off) = if default {
-                    (" the default", "")
+                    (", the default", "")
                 } else {
                     ("", ", the default")
                 };
-                Err(BackendError::Device(format!(
+                Err(BackendError::Setting(format!(
                     "{name}={v:?} is not understood: expected 1 ({what}{on}) or 0 (off{off})"
                 )))
             }
@@ -56,7 +56,7 @@ pub(super) fn fuse_small_setting() -> Result<bool, BackendError> {
 /// `FLASHPLAN_FUSE_SMALL`) without a GPU, so a misspelt value refuses to start whichever backend runs.
 ///
 /// # Errors
-/// [`BackendError::Device`] naming the first variable with a value other than `1` or `0`.
+/// [`BackendError::Setting`] naming the first variable with a value other than `1` or `0`.
 pub fn check_env() -> Result<(), BackendError> {
     pdl_setting()?;
     fuse_linear_setting()?;
