@@ -120,13 +120,24 @@ fn plan_for_another_config_or_arch_is_refused() {
         }
         other => panic!("expected a config mismatch, got {other:?}"),
     }
-    // A one-field change of the config is another config.
+    // A one-field change of the config is another config, and the error names the field with both values.
     let mut c = tiny();
+    let eps = c.rms_norm_eps;
     c.rms_norm_eps = 1e-5;
-    assert!(matches!(
-        set.check_matches(&c, "cpu", None),
-        Err(FormatError::Mismatch { what: "config", .. })
-    ));
+    match set.check_matches(&c, "cpu", None) {
+        Err(FormatError::Mismatch {
+            what: "config",
+            found,
+            expected,
+        }) => {
+            assert_eq!(found, format!("rms_norm_eps = {}", serde_json::json!(eps)));
+            assert_eq!(
+                expected,
+                format!("rms_norm_eps = {}", serde_json::json!(1e-5))
+            );
+        }
+        other => panic!("expected a config mismatch, got {other:?}"),
+    }
     match set.check_matches(&tiny(), "sm_90a", None) {
         Err(e @ FormatError::Mismatch { what: "arch", .. }) => {
             assert!(e.to_string().contains("arch"), "{e}")

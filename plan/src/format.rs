@@ -118,6 +118,43 @@ fn bincode_cfg() -> bincode::config::Configuration {
     bincode::config::standard()
 }
 
+/// The config fields that differ between `plan` and `here` (at most four, by name), as (the plan's values, these
+/// values); `None` when no field differs by value.
+fn config_difference(
+    plan: &crate::ModelConfig,
+    here: &crate::ModelConfig,
+) -> Option<(String, String)> {
+    let (a, b) = (
+        serde_json::to_value(plan).ok()?,
+        serde_json::to_value(here).ok()?,
+    );
+    let (a, b) = (a.as_object()?, b.as_object()?);
+    let mut keys: Vec<&String> = a.keys().chain(b.keys()).collect();
+    keys.sort();
+    keys.dedup();
+    let diff: Vec<&String> = keys
+        .into_iter()
+        .filter(|k| a.get(*k) != b.get(*k))
+        .collect();
+    if diff.is_empty() {
+        return None;
+    }
+    let more = if diff.len() > 4 {
+        format!(" (and {} more)", diff.len() - 4)
+    } else {
+        String::new()
+    };
+    let side = |m: &serde_json::Map<String, serde_json::Value>| {
+        let fields: Vec<String> = diff
+            .iter()
+            .take(4)
+            .map(|k| format!("{k} = {}", m.get(*k).unwrap_or(&serde_json::Value::Null)))
+            .collect();
+        fields.join(", ") + &more
+    };
+    Some((side(a), side(b)))
+}
+
 /// Encodes a body (deterministic bytes).
 pub fn encode_body(body: &PlanBody) -> Result<Vec<u8>, FormatError> {
     bincode::serde::encode_to_vec(body, bincode_cfg())
@@ -228,10 +265,12 @@ impl PlanSet {
     ) -> Result<(), FormatError> {
         let want = config_hash(cfg);
         if self.header.config_hash != want {
+            let (found, expected) = config_difference(&self.body.config, cfg)
+                .unwrap_or_else(|| (self.header.config_hash.clone(), want));
             return Err(FormatError::Mismatch {
                 what: "config",
-                found: self.header.config_hash.clone(),
-                expected: want,
+                found,
+                expected,
             });
         }
         if self.header.arch != arch {
