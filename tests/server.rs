@@ -340,4 +340,26 @@ fn models_health_metrics_tokenize() {
     assert!(mt
         .body
         .contains("flashplan_time_to_first_token_seconds_bucket"));
+    // Chat messages to tokens, with the tokenize endpoint's own option.
+    let c = post(
+        "/tokenize",
+        &json!({"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": false})
+            .to_string(),
+    );
+    assert_eq!(c.status, 200, "{}", c.body);
+    assert!(c.json()["count"].as_u64().unwrap_or(0) > 0);
+}
+
+#[test]
+fn wrong_method_and_oversized_body_get_openai_errors() {
+    let r = client::request(server(), "GET", "/v1/completions", None).unwrap();
+    assert_eq!(r.status, 405, "{}", r.body);
+    assert_eq!(r.json()["error"]["code"], "method_not_allowed");
+    // Over the 64 MB limit: a 413 with an OpenAI-style body, not axum's plain text.
+    let big = format!("{{\"prompt\": \"{}\"}}", "a".repeat(65 << 20));
+    let r = post("/v1/completions", &big);
+    assert_eq!(r.status, 413);
+    let e = &r.json()["error"];
+    assert_eq!(e["code"], "request_too_large");
+    assert_eq!(e["type"], "invalid_request_error");
 }

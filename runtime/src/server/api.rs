@@ -259,7 +259,11 @@ fn parse_prompt(m: &Map<String, Value>) -> Result<Prompt, ApiError> {
     }
 }
 
-fn parse_messages(m: &Map<String, Value>) -> Result<Prompt, ApiError> {
+/// The chat messages of a body's `messages` (text content only; roles from [`ROLES`]).
+///
+/// # Errors
+/// 400 naming the message or field at fault.
+pub fn parse_messages(m: &Map<String, Value>) -> Result<Prompt, ApiError> {
     let v = present(m, "messages")
         .ok_or_else(|| ApiError::invalid(Some("messages"), "`messages` is required"))?;
     let arr = v

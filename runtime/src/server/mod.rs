@@ -12,7 +12,8 @@ use std::net::SocketAddr;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
-use axum::extract::State;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{header, StatusCode};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
@@ -55,7 +56,44 @@ pub fn router(state: AppState) -> Router {
                 code: Some("not_found"),
             }
         })
+        .method_not_allowed_fallback(|| async {
+            ApiError {
+                status: StatusCode::METHOD_NOT_ALLOWED,
+                message: "this endpoint does not take that method (the generation, tokenize and detokenize \
+                          endpoints take POST; /v1/models, /health and /metrics GET)"
+                    .into(),
+                kind: "invalid_request_error",
+                param: None,
+                code: Some("method_not_allowed"),
+            }
+        })
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
+}
+
+/// The largest request body accepted (a prompt of a million tokens as JSON token ids takes about 8 MB).
+const MAX_BODY_BYTES: usize = 64 << 20;
+
+/// A request's body, or the OpenAI-style error for one that could not be read (over [`MAX_BODY_BYTES`]: 413).
+fn read_body(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+    body.map_err(|r| {
+        let too_large = r.status() == StatusCode::PAYLOAD_TOO_LARGE;
+        ApiError {
+            status: r.status(),
+            message: if too_large {
+                format!("the request body is over {} MB", MAX_BODY_BYTES >> 20)
+            } else {
+                format!("the request body could not be read: {}", r.body_text())
+            },
+            kind: "invalid_request_error",
+            param: None,
+            code: Some(if too_large {
+                "request_too_large"
+            } else {
+                "unreadable_body"
+            }),
+        }
+    })
 }
 
 /// Serves the router on a bound listener until `shutdown` resolves.
@@ -226,16 +264,22 @@ fn build(state: &AppState, p: &GenParams, chat: bool) -> Result<GenRequest, ApiE
     })
 }
 
-async fn chat_completions(State(state): State<AppState>, body: Bytes) -> Response {
+async fn chat_completions(
+    State(state): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     generate(state, body, true).await
 }
 
-async fn completions(State(state): State<AppState>, body: Bytes) -> Response {
+async fn completions(
+    State(state): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     generate(state, body, false).await
 }
 
-async fn generate(state: AppState, body: Bytes, chat: bool) -> Response {
-    let parsed = parse_object(&body).and_then(|m| parse_gen(&m, chat));
+async fn generate(state: AppState, body: Result<Bytes, BytesRejection>, chat: bool) -> Response {
+    let parsed = read_body(body).and_then(|b| parse_object(&b).and_then(|m| parse_gen(&m, chat)));
     let p = match parsed {
         Ok(p) => p,
         Err(e) => return e.into_response(),
@@ -444,12 +488,12 @@ async fn metrics(State(state): State<AppState>) -> Response {
         .into_response()
 }
 
-async fn tokenize(State(state): State<AppState>, body: Bytes) -> Response {
+async fn tokenize(State(state): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
     let run = || -> Result<Value, ApiError> {
-        let m = parse_object(&body)?;
+        let m = parse_object(&read_body(body)?)?;
         let tok = &state.service.tokenizer;
         let ids = if m.contains_key("messages") {
-            let Prompt::Chat(msgs) = parse_gen(&m, true)?.prompt else {
+            let Prompt::Chat(msgs) = api::parse_messages(&m)? else {
                 return Err(ApiError::internal("unreachable"));
             };
             let add = api::boolean(&m, "add_generation_prompt")?.unwrap_or(true);
@@ -487,9 +531,12 @@ async fn tokenize(State(state): State<AppState>, body: Bytes) -> Response {
     }
 }
 
-async fn detokenize(State(state): State<AppState>, body: Bytes) -> Response {
+async fn detokenize(
+    State(state): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     let run = || -> Result<Value, ApiError> {
-        let m = parse_object(&body)?;
+        let m = parse_object(&read_body(body)?)?;
         let ids = match m.get("tokens") {
             Some(Value::Array(a)) => api::token_ids("tokens", a)?,
             Some(v) => {
