@@ -25,7 +25,7 @@ pub struct BenchArgs {
     #[arg(long, requires = "model")]
     pub plans: Option<PathBuf>,
     /// Streams at once for --model.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
     pub parallel: u32,
     /// Most drafts per window for --model.
     #[arg(long, default_value_t = 15)]
@@ -98,7 +98,8 @@ fn one(addr: &str, prompt: &str, a: &BenchArgs, draft: bool) -> anyhow::Result<S
         if let Some(s) = v["flashplan"]["token_sha"].as_str() {
             sha = s.to_string();
         }
-    })?;
+    })
+    .with_context(|| format!("POST http://{addr}/v1/completions"))?;
     if r.status != 200 {
         anyhow::bail!("server answered {}: {}", r.status, r.body);
     }
@@ -131,6 +132,10 @@ fn load_prompts(p: Option<&PathBuf>) -> anyhow::Result<Vec<String>> {
 
 /// `flashplan bench`.
 pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        a.concurrency.iter().all(|&c| c > 0),
+        "--concurrency levels must be at least 1"
+    );
     let prompts = load_prompts(a.prompts.as_ref())?;
     let mut _server = None;
     let addr = match (&a.url, &a.model) {
@@ -193,7 +198,6 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
         "concurrency", "requests", "ttft_s p50", "decode tok/s", "aggregate tok/s"
     );
     for &c in &a.concurrency {
-        anyhow::ensure!(c > 0, "--concurrency levels must be at least 1");
         let t0 = Instant::now();
         let results: Vec<(usize, anyhow::Result<Sample>)> = std::thread::scope(|s| {
             let hs: Vec<_> = (0..c)

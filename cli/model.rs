@@ -25,8 +25,8 @@ pub struct ModelArgs {
     /// ($FLASHPLAN_CACHE, else ~/.cache/flashplan/plans).
     #[arg(long)]
     pub plans: Option<PathBuf>,
-    /// Most streams decoding at once.
-    #[arg(long, default_value_t = 16)]
+    /// Most streams decoding at once (at least 1).
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
     pub parallel: u32,
     /// Most drafts per verify window (at most the plans' max depth).
     #[arg(long, default_value_t = 15)]
