@@ -41,6 +41,7 @@ enum Cmd {
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     // Refuse unknown values of FLASHPLAN_* variables before anything slow happens.
+    model::warn_unknown_vars();
     model::check_folders()?;
     if matches!(
         cli.cmd,

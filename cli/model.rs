@@ -289,6 +289,37 @@ pub fn check_env() -> anyhow::Result<()> {
     engine_options(1, 1).map(|_| ())
 }
 
+/// Every `FLASHPLAN_*` variable something in this repository reads: the product's, the tests' and the scripts'.
+const KNOWN_VARS: &[&str] = &[
+    "FLASHPLAN_AB",
+    "FLASHPLAN_BACKEND",
+    "FLASHPLAN_CACHE",
+    "FLASHPLAN_COPY_DRAFTS",
+    "FLASHPLAN_CUDA_INCLUDE",
+    "FLASHPLAN_FUSE_LINEAR",
+    "FLASHPLAN_FUSE_SMALL",
+    "FLASHPLAN_GPU",
+    "FLASHPLAN_GPU_ROUNDS_DRY",
+    "FLASHPLAN_KERNEL_CACHE",
+    "FLASHPLAN_MTP_WEIGHTS",
+    "FLASHPLAN_PDL",
+    "FLASHPLAN_REQUIRE_NVRTC",
+];
+
+/// Warns about a `FLASHPLAN_*` variable nothing reads (a misspelt `FLASHPLAN_BACKNED=cpu` would otherwise be ignored
+/// without a word). A warning, not a refusal: an unknown name changes nothing.
+pub fn warn_unknown_vars() {
+    for (k, _) in std::env::vars_os() {
+        let k = k.to_string_lossy();
+        if k.starts_with("FLASHPLAN_") && !KNOWN_VARS.contains(&k.as_ref()) {
+            eprintln!(
+                "warning: {k} is not a flashplan variable; it is ignored (the variables: {})",
+                KNOWN_VARS.join(", ")
+            );
+        }
+    }
+}
+
 /// Checks the folder variables (`FLASHPLAN_CACHE`, `FLASHPLAN_KERNEL_CACHE`): every command reads one.
 ///
 /// # Errors

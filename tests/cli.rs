@@ -91,6 +91,22 @@ fn an_empty_folder_or_backend_variable_refuses_to_start() {
 }
 
 #[test]
+fn a_misspelt_variable_is_named_in_a_warning() {
+    let out = Command::new(env!("CARGO_BIN_EXE_flashplan"))
+        .args(["plans", "inspect", "plans/flashnext-tiny"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("FLASHPLAN_BACKNED", "cpu")
+        .output()
+        .expect("runs flashplan");
+    assert!(out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("FLASHPLAN_BACKNED is not a flashplan variable"),
+        "{stderr}"
+    );
+}
+
+#[test]
 fn a_missing_model_directory_is_named() {
     let missing = tempfile::tempdir()
         .expect("tempdir")
