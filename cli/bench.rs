@@ -101,7 +101,11 @@ fn one(addr: &str, prompt: &str, a: &BenchArgs, draft: bool) -> anyhow::Result<S
     })
     .with_context(|| format!("POST http://{addr}/v1/completions"))?;
     if r.status != 200 {
-        anyhow::bail!("server answered {}: {}", r.status, r.body);
+        anyhow::bail!(
+            "POST http://{addr}/v1/completions: the server answered {}: {}",
+            r.status,
+            r.body
+        );
     }
     let total_s = t0.elapsed().as_secs_f64();
     Ok(Sample {

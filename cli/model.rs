@@ -304,6 +304,7 @@ const KNOWN_VARS: &[&str] = &[
     "FLASHPLAN_MTP_WEIGHTS",
     "FLASHPLAN_PDL",
     "FLASHPLAN_REQUIRE_NVRTC",
+    "FLASHPLAN_TRANSFORMERS",
 ];
 
 /// Warns about a `FLASHPLAN_*` variable nothing reads (a misspelt `FLASHPLAN_BACKNED=cpu` would otherwise be ignored

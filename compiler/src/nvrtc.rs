@@ -42,6 +42,9 @@ pub enum NvrtcError {
         /// Missing, or why the file there is unusable.
         why: String,
     },
+    /// `FLASHPLAN_KERNEL_CACHE` is set but empty.
+    #[error("FLASHPLAN_KERNEL_CACHE is set but empty: expected a folder (unset it to compile without a cache)")]
+    EmptyCache,
     /// The arch is not an NVIDIA arch.
     #[error("arch {0}: expected an NVIDIA arch such as sm_90a")]
     Arch(String),
@@ -86,8 +89,14 @@ fn module_hash(name: &str, src: &str) -> String {
 }
 
 /// The kernel cache folder (`FLASHPLAN_KERNEL_CACHE`), if set.
-fn cache_dir() -> Option<std::path::PathBuf> {
-    std::env::var_os("FLASHPLAN_KERNEL_CACHE").map(std::path::PathBuf::from)
+///
+/// # Errors
+/// [`NvrtcError::EmptyCache`] when set but empty (it would mean the current directory).
+fn cache_dir() -> Result<Option<std::path::PathBuf>, NvrtcError> {
+    match std::env::var_os("FLASHPLAN_KERNEL_CACHE") {
+        Some(d) if d.is_empty() => Err(NvrtcError::EmptyCache),
+        d => Ok(d.map(std::path::PathBuf::from)),
+    }
 }
 
 /// A module's cubin in the cache folder `dir`: named by the module, its hash and the arch.
@@ -143,7 +152,7 @@ pub fn compile_kernels(arch: &str) -> Result<Vec<KernelModule>, NvrtcError> {
     for (name, src) in sources().iter().filter(|(n, _)| n.ends_with(".cu")) {
         let stem = name.trim_end_matches(".cu").to_string();
         let hash = module_hash(name, src);
-        let cubin = cached_or_compiled(name, src, &hash, arch, cache_dir().as_deref())?;
+        let cubin = cached_or_compiled(name, src, &hash, arch, cache_dir()?.as_deref())?;
         out.push(KernelModule {
             name: stem,
             source_hash: hash,
@@ -154,29 +163,45 @@ pub fn compile_kernels(arch: &str) -> Result<Vec<KernelModule>, NvrtcError> {
     Ok(out)
 }
 
-/// Whether `bytes` look like a whole ELF file (a cubin): the ELF magic, 64-bit, and the section header table inside
-/// the file. A truncated cache file fails this and is compiled again.
+/// Whether `bytes` look like a whole ELF file (a cubin): the ELF magic, 64-bit, and the program header table, the
+/// section header table and every section's contents inside the file. A truncated cache file fails this and is
+/// compiled again.
 fn cubin_is_whole(bytes: &[u8]) -> bool {
-    let u16_at = |o: usize| {
-        bytes
-            .get(o..o + 2)
-            .map(|b| u16::from_le_bytes([b[0], b[1]]) as u64)
+    let len = bytes.len() as u64;
+    let at = |o: u64, n: usize| bytes.get(o as usize..o as usize + n);
+    let u16_at = |o: u64| at(o, 2).map(|b| u16::from_le_bytes([b[0], b[1]]) as u64);
+    let u32_at = |o: u64| {
+        at(o, 4)
+            .and_then(|b| b.try_into().ok())
+            .map(u32::from_le_bytes)
     };
-    let u64_at = |o: usize| {
-        bytes
-            .get(o..o + 8)
+    let u64_at = |o: u64| {
+        at(o, 8)
             .and_then(|b| b.try_into().ok())
             .map(u64::from_le_bytes)
     };
+    let inside = |off: u64, size: u64| off.checked_add(size).is_some_and(|end| end <= len);
     if bytes.len() < 64 || &bytes[..4] != b"\x7fELF" || bytes[4] != 2 {
         return false;
     }
-    match (u64_at(0x28), u16_at(0x3A), u16_at(0x3C)) {
-        (Some(shoff), Some(shentsize), Some(shnum)) => shoff
-            .checked_add(shentsize * shnum)
-            .is_some_and(|end| end <= bytes.len() as u64),
-        _ => false,
-    }
+    let table = |off, ent, num| match (u64_at(off), u16_at(ent), u16_at(num)) {
+        (Some(o), Some(e), Some(n)) => inside(o, e * n).then_some((o, e, n)),
+        _ => None,
+    };
+    // Program headers at e_phoff (0x20), e_phentsize (0x36), e_phnum (0x38); sections at 0x28, 0x3A, 0x3C.
+    let (Some(_), Some((shoff, shent, shnum))) = (table(0x20, 0x36, 0x38), table(0x28, 0x3A, 0x3C))
+    else {
+        return false;
+    };
+    // Each section's contents (sh_offset at +0x18, sh_size at +0x20), but SHT_NOBITS (8), which has none.
+    (0..shnum).all(|i| {
+        let h = shoff + i * shent;
+        match (u32_at(h + 4), u64_at(h + 0x18), u64_at(h + 0x20)) {
+            (Some(8), ..) => true,
+            (Some(_), Some(off), Some(size)) => inside(off, size),
+            _ => false,
+        }
+    })
 }
 
 /// Compiles one source (with the bundled headers available) into cubin; any diagnostic fails.
@@ -294,14 +319,24 @@ mod tests {
 
     #[test]
     fn a_whole_elf_file_has_its_section_headers_inside() {
-        // A 64-bit ELF header whose section header table (2 entries of 64 bytes) starts at byte 64.
-        let mut elf = vec![0u8; 64 + 128];
+        // A 64-bit ELF header, no program headers, a section header table of 2 entries of 64 bytes at byte 64, the
+        // second section's 16 bytes of contents at the end of the file (at 192).
+        let mut elf = vec![0u8; 64 + 128 + 16];
         elf[..5].copy_from_slice(b"\x7fELF\x02");
         elf[0x28..0x30].copy_from_slice(&64u64.to_le_bytes());
         elf[0x3A..0x3C].copy_from_slice(&64u16.to_le_bytes());
         elf[0x3C..0x3E].copy_from_slice(&2u16.to_le_bytes());
+        let second = 64 + 64;
+        elf[second + 4..second + 8].copy_from_slice(&1u32.to_le_bytes());
+        elf[second + 0x18..second + 0x20].copy_from_slice(&192u64.to_le_bytes());
+        elf[second + 0x20..second + 0x28].copy_from_slice(&16u64.to_le_bytes());
         assert!(cubin_is_whole(&elf));
+        // Cut inside the second section's contents (the header tables are whole): not whole.
         assert!(!cubin_is_whole(&elf[..elf.len() - 1]));
+        // A NOBITS section has no contents in the file.
+        let mut nobits = elf[..192].to_vec();
+        nobits[second + 4..second + 8].copy_from_slice(&8u32.to_le_bytes());
+        assert!(cubin_is_whole(&nobits));
         assert!(!cubin_is_whole(
             b"not an elf file at all, but long enough to pass the size check for sure...."
         ));
@@ -380,14 +415,14 @@ mod tests {
     /// `FLASHPLAN_REQUIRE_NVRTC=1` (CI sets it after scripts/setup_nvrtc.sh): then a missing NVRTC fails.
     #[test]
     fn kernels_compile_for_sm_90a() {
+        let require = match std::env::var("FLASHPLAN_REQUIRE_NVRTC") {
+            Err(std::env::VarError::NotPresent) => false,
+            Ok(v) if v == "1" || v == "0" => v == "1",
+            other => panic!("FLASHPLAN_REQUIRE_NVRTC={other:?}: expected 1 or 0"),
+        };
         // SAFETY: only loads the library.
         let present = unsafe { cudarc::nvrtc::sys::is_culib_present() };
         if !present {
-            let require = match std::env::var("FLASHPLAN_REQUIRE_NVRTC") {
-                Err(std::env::VarError::NotPresent) => false,
-                Ok(v) if v == "1" || v == "0" => v == "1",
-                other => panic!("FLASHPLAN_REQUIRE_NVRTC={other:?}: expected 1 or 0"),
-            };
             assert!(
                 !require,
                 "FLASHPLAN_REQUIRE_NVRTC=1 but libnvrtc.so.13 is not on the loader path"

@@ -27,6 +27,8 @@ pub struct GenParams {
     pub prompt: Prompt,
     /// `max_tokens` / `max_completion_tokens`; `None`: the rest of the context.
     pub max_tokens: Option<u32>,
+    /// Which of the two fields gave `max_tokens` (for errors).
+    pub max_tokens_field: &'static str,
     /// Sampling, with the seed not yet resolved when `seed` is `None`.
     pub sampling: SamplingParams,
     /// The request's seed.
@@ -119,8 +121,8 @@ fn int(m: &Map<String, Value>, k: &str) -> Result<Option<i128>, ApiError> {
     }
 }
 
-/// The fields a generation request may carry besides its prompt (`prompt` or `messages`); `user` is accepted and
-/// not used.
+/// The fields a generation request may carry besides its prompt (`prompt` or `messages`); those of [`IGNORED`] are
+/// accepted and not used.
 const FIELDS: &[&str] = &[
     "model",
     "max_tokens",
@@ -139,7 +141,17 @@ const FIELDS: &[&str] = &[
     "draft",
     "logprobs",
     "echo",
+];
+
+/// OpenAI fields about the account, storage or caching, which never change a reply: accepted at any value, not used.
+const IGNORED: &[&str] = &[
     "user",
+    "store",
+    "metadata",
+    "service_tier",
+    "prompt_cache_key",
+    "safety_identifier",
+    "prediction",
 ];
 
 /// OpenAI fields this server does not implement, accepted only at the value that changes nothing (a client library
@@ -156,7 +168,10 @@ fn neutral(k: &str, v: &Value) -> Option<bool> {
         "presence_penalty" | "frequency_penalty" | "top_logprobs" => zero(v),
         "repetition_penalty" | "best_of" => v.as_f64() == Some(1.0),
         "logit_bias" | "tools" | "functions" | "suffix" => empty(v),
-        "tool_choice" | "function_call" => v.as_str() == Some("none"),
+        // Without tools (any tools are refused above), "auto" chooses none.
+        "tool_choice" | "function_call" => matches!(v.as_str(), Some("none" | "auto")),
+        "modalities" => *v == serde_json::json!(["text"]),
+        "reasoning_effort" | "verbosity" | "web_search_options" | "audio" => false,
         "parallel_tool_calls" => v.is_boolean(),
         "response_format" => v.get("type").and_then(Value::as_str) == Some("text"),
         _ => return None,
@@ -168,7 +183,11 @@ fn neutral(k: &str, v: &Value) -> Option<bool> {
 fn check_fields(m: &Map<String, Value>, chat: bool) -> Result<(), ApiError> {
     let prompt = if chat { "messages" } else { "prompt" };
     for (k, v) in m {
-        if k == prompt || FIELDS.contains(&k.as_str()) || v.is_null() {
+        if k == prompt
+            || FIELDS.contains(&k.as_str())
+            || IGNORED.contains(&k.as_str())
+            || v.is_null()
+        {
             continue;
         }
         match neutral(k, v) {
@@ -203,8 +222,9 @@ fn check_fields(m: &Map<String, Value>, chat: bool) -> Result<(), ApiError> {
 /// The highest `temperature` accepted (OpenAI's range is [0, 2]).
 const MAX_TEMPERATURE: f64 = 2.0;
 
-/// Roles a chat message may have (those the chat templates know).
-const ROLES: &[&str] = &["system", "user", "assistant", "tool"];
+/// Roles a chat message may have: those the chat templates know, and OpenAI's `developer`, which they take as
+/// `system`.
+const ROLES: &[&str] = &["system", "developer", "user", "assistant", "tool"];
 
 /// An optional boolean field.
 pub fn boolean(m: &Map<String, Value>, k: &str) -> Result<Option<bool>, ApiError> {
@@ -315,7 +335,7 @@ pub fn parse_messages(m: &Map<String, Value>) -> Result<Prompt, ApiError> {
             Some(other) => return Err(wrong(&format!("{p}.content"), "a string", other)),
         };
         out.push(ChatMessage {
-            role: role.to_string(),
+            role: if role == "developer" { "system" } else { role }.to_string(),
             content,
         });
     }
@@ -338,7 +358,7 @@ pub fn parse_gen(m: &Map<String, Value>, chat: bool) -> Result<GenParams, ApiErr
     } else {
         parse_prompt(m)?
     };
-    let mut max_tokens = None;
+    let (mut max_tokens, mut max_tokens_field) = (None, "max_tokens");
     for k in ["max_tokens", "max_completion_tokens"] {
         if let Some(n) = int(m, k)? {
             if n < 1 || n > i128::from(u32::MAX) {
@@ -347,7 +367,7 @@ pub fn parse_gen(m: &Map<String, Value>, chat: bool) -> Result<GenParams, ApiErr
                     format!("`{k}` must be from 1 to {}, got {n}", u32::MAX),
                 ));
             }
-            max_tokens = Some(n as u32);
+            (max_tokens, max_tokens_field) = (Some(n as u32), k);
         }
     }
     if let Some(n) = int(m, "n")? {
@@ -392,14 +412,18 @@ pub fn parse_gen(m: &Map<String, Value>, chat: bool) -> Result<GenParams, ApiErr
         };
         return Err(ApiError::invalid(Some(param), e.to_string()));
     }
+    // Any 64-bit seed, as OpenAI takes: a negative one keys the sampler by its two's-complement bits.
     let seed = match int(m, "seed")? {
         None => None,
-        Some(s) => Some(u64::try_from(s).map_err(|_| {
-            ApiError::invalid(
+        Some(s) if (i128::from(i64::MIN)..=i128::from(u64::MAX)).contains(&s) => {
+            Some(if s < 0 { s as i64 as u64 } else { s as u64 })
+        }
+        Some(s) => {
+            return Err(ApiError::invalid(
                 Some("seed"),
-                format!("`seed` must be from 0 to {}, got {s}", u64::MAX),
-            )
-        })?),
+                format!("`seed` must be a 64-bit integer, got {s}"),
+            ))
+        }
     };
     let stop = match present(m, "stop") {
         None => vec![],
@@ -429,20 +453,26 @@ pub fn parse_gen(m: &Map<String, Value>, chat: bool) -> Result<GenParams, ApiErr
             .unwrap_or(false),
         Some(v) => return Err(wrong("stream_options", "an object", v)),
     };
+    // `logprobs` (a boolean in chat, a count in completions) and `echo` only when off.
     for k in ["logprobs", "echo"] {
-        if let Some(v) = present(m, k) {
-            if v.as_bool() == Some(true) || (v.is_number() && k == "logprobs") {
+        match present(m, k) {
+            None | Some(Value::Bool(false)) => {}
+            Some(v) if v.as_f64() == Some(0.0) && k == "logprobs" => {}
+            Some(v @ (Value::Bool(true) | Value::Number(_))) => {
                 return Err(ApiError::invalid(
                     Some(k),
-                    format!("`{k}` is not supported by this server"),
-                ));
+                    format!("`{k}` is not supported by this server (got {v})"),
+                )
+                .code("unsupported_parameter"))
             }
+            Some(v) => return Err(wrong(k, "a boolean", v)),
         }
     }
     Ok(GenParams {
         model,
         prompt,
         max_tokens,
+        max_tokens_field,
         sampling,
         seed,
         stop,
@@ -488,7 +518,13 @@ mod tests {
                 r#"{"prompt": "a", "max_tokens": 18446744073709551615}"#,
                 Some("max_tokens"),
             ),
-            (r#"{"prompt": "a", "seed": -3}"#, Some("seed")),
+            (r#"{"prompt": "a", "seed": 1.5}"#, Some("seed")),
+            (r#"{"prompt": "a", "echo": "yes"}"#, Some("echo")),
+            (r#"{"prompt": "a", "logprobs": 2}"#, Some("logprobs")),
+            (
+                r#"{"prompt": "a", "reasoning_effort": "low"}"#,
+                Some("reasoning_effort"),
+            ),
             (r#"{"prompt": "a", "maxtokens": 3}"#, Some("maxtokens")),
             (r#"{"prompt": "a", "messages": []}"#, Some("messages")),
             (
@@ -511,6 +547,25 @@ mod tests {
         assert!(p(r#"{"messages": "hi"}"#, true).is_err());
         assert!(p(r#"{"messages": [{"role": "user", "content": "hi"}]}"#, true).is_ok());
         assert!(p(r#"{"messages": [{"role": "bot", "content": "hi"}]}"#, true).is_err());
+        // OpenAI's developer role is the templates' system role.
+        let g = p(
+            r#"{"messages": [{"role": "developer", "content": "be brief"}]}"#,
+            true,
+        )
+        .unwrap();
+        assert!(matches!(g.prompt, Prompt::Chat(ref m) if m[0].role == "system"));
+        // A negative seed keys by its two's-complement bits; storage and caching fields are accepted and unused.
+        let g = p(
+            r#"{"prompt": "a", "seed": -1, "store": true, "metadata": {"k": "v"}, "tool_choice": "auto",
+                "modalities": ["text"], "logprobs": false, "echo": false, "max_completion_tokens": 3}"#,
+            false,
+        )
+        .unwrap();
+        assert_eq!(g.seed, Some(u64::MAX));
+        assert_eq!(
+            (g.max_tokens, g.max_tokens_field),
+            (Some(3), "max_completion_tokens")
+        );
         // The neutral values of unimplemented fields pass; the largest seed does not wrap.
         let g = p(
             r#"{"prompt": "a", "presence_penalty": 0, "logit_bias": {}, "tools": [], "tool_choice": "none",

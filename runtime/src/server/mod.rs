@@ -220,7 +220,7 @@ fn build(state: &AppState, p: &GenParams, chat: bool) -> Result<GenRequest, ApiE
         .code("context_length_exceeded"));
     }
     if let Some(n) = p.max_tokens.filter(|&n| n as u64 > room) {
-        let k = "max_tokens";
+        let k = p.max_tokens_field;
         return Err(ApiError::invalid(
             Some(k),
             format!(
