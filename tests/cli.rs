@@ -106,6 +106,58 @@ fn a_misspelt_variable_is_named_in_a_warning() {
     );
 }
 
+/// Every `FLASHPLAN_*` name the repository's code, tests and scripts read.
+fn variables_read() -> std::collections::BTreeSet<String> {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut names = std::collections::BTreeSet::new();
+    let mut dirs: Vec<std::path::PathBuf> = [
+        "cli", "runtime", "compiler", "plan", "tests", "examples", "scripts", ".ci",
+    ]
+    .iter()
+    .map(|d| root.join(d))
+    .collect();
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(&d).expect("read_dir").flatten() {
+            let path = e.path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if let Ok(text) = std::fs::read_to_string(&path) {
+                for (i, _) in text.match_indices("FLASHPLAN_") {
+                    let name: String = text[i..]
+                        .chars()
+                        .take_while(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || *c == '_')
+                        .collect();
+                    if name.len() > "FLASHPLAN_".len() && !name.ends_with('_') {
+                        names.insert(name);
+                    }
+                }
+            }
+        }
+    }
+    names
+}
+
+#[test]
+fn every_variable_the_repository_reads_is_known_to_the_warning() {
+    // But the misspelling the warning's own test and doc use.
+    let names: Vec<String> = variables_read()
+        .into_iter()
+        .filter(|n| n != "FLASHPLAN_BACKNED")
+        .collect();
+    assert!(
+        names.iter().any(|n| n == "FLASHPLAN_PDL") && names.iter().any(|n| n == "FLASHPLAN_GPU")
+    );
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_flashplan"));
+    cmd.args(["plans", "inspect", "plans/flashnext-tiny"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"));
+    for n in &names {
+        cmd.env(n, "1");
+    }
+    let out = cmd.output().expect("runs flashplan");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("is not a flashplan variable"), "{stderr}");
+}
+
 #[test]
 fn a_missing_model_directory_is_named() {
     let missing = tempfile::tempdir()
