@@ -281,9 +281,9 @@ pub fn engine_options(parallel: u32, max_depth: u32) -> anyhow::Result<EngineOpt
     .from_env()?)
 }
 
-/// Checks the environment before anything slow happens.
+/// Checks the environment of the commands that load a model, before anything slow happens (the folder variables
+/// are checked for every command: [`check_folders`]).
 pub fn check_env() -> anyhow::Result<()> {
-    check_folders()?;
     backend_choice()?;
     flashplan_runtime::cuda::check_env()?;
     engine_options(1, 1).map(|_| ())

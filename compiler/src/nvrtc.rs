@@ -148,11 +148,12 @@ pub fn compile_kernels(arch: &str) -> Result<Vec<KernelModule>, NvrtcError> {
     if !arch.starts_with("sm_") {
         return Err(NvrtcError::Arch(arch.to_string()));
     }
+    let cache = cache_dir()?;
     let mut out = Vec::new();
     for (name, src) in sources().iter().filter(|(n, _)| n.ends_with(".cu")) {
         let stem = name.trim_end_matches(".cu").to_string();
         let hash = module_hash(name, src);
-        let cubin = cached_or_compiled(name, src, &hash, arch, cache_dir()?.as_deref())?;
+        let cubin = cached_or_compiled(name, src, &hash, arch, cache.as_deref())?;
         out.push(KernelModule {
             name: stem,
             source_hash: hash,

@@ -163,6 +163,17 @@ fn usage(c: &Completion) -> Value {
     })
 }
 
+/// Refuses a token id of the request field `param` that is outside a vocabulary of `vocab` ids, naming the first.
+fn in_vocab(param: &str, ids: &[u32], vocab: u32) -> Result<(), ApiError> {
+    match ids.iter().find(|&&t| t >= vocab) {
+        Some(bad) => Err(ApiError::invalid(
+            Some(param),
+            format!("token id {bad} is outside the vocabulary of {vocab}"),
+        )),
+        None => Ok(()),
+    }
+}
+
 /// Tokenizes the prompt and builds the engine request.
 fn build(state: &AppState, p: &GenParams, chat: bool) -> Result<GenRequest, ApiError> {
     if let Some(m) = p.model.as_deref().filter(|&m| m != state.model_name) {
@@ -194,16 +205,7 @@ fn build(state: &AppState, p: &GenParams, chat: bool) -> Result<GenRequest, ApiE
     if ids.is_empty() {
         return Err(ApiError::invalid(Some(param), "the prompt is empty").code("empty_prompt"));
     }
-    if let Some(&bad) = ids.iter().find(|&&t| t >= info.vocab_size) {
-        return Err(ApiError::invalid(
-            Some(param),
-            format!(
-                "token id {bad} is outside the vocabulary of {}",
-                info.vocab_size
-            ),
-        )
-        .code("invalid_token_id"));
-    }
+    in_vocab(param, &ids, info.vocab_size).map_err(|e| e.code("invalid_token_id"))?;
     let room = info
         .context
         .saturating_sub(ids.len() as u64 + info.max_depth as u64 + 1);
@@ -233,16 +235,8 @@ fn build(state: &AppState, p: &GenParams, chat: bool) -> Result<GenRequest, ApiE
         )
         .code("context_length_exceeded"));
     }
-    if let Some(&bad) = p.stop_token_ids.iter().find(|&&t| t >= info.vocab_size) {
-        return Err(ApiError::invalid(
-            Some("stop_token_ids"),
-            format!(
-                "token id {bad} is outside the vocabulary of {}",
-                info.vocab_size
-            ),
-        )
-        .code("invalid_token_id"));
-    }
+    in_vocab("stop_token_ids", &p.stop_token_ids, info.vocab_size)
+        .map_err(|e| e.code("invalid_token_id"))?;
     let max_tokens = p.max_tokens.unwrap_or(room.min(u32::MAX as u64) as u32);
     let mut stop_token_ids = p.stop_token_ids.clone();
     if chat {
@@ -550,13 +544,7 @@ async fn detokenize(
             }
             None => return Err(ApiError::invalid(Some("tokens"), "`tokens` is required")),
         };
-        let vocab = state.service.tokenizer.vocab_size();
-        if let Some(&bad) = ids.iter().find(|&&t| t >= vocab) {
-            return Err(ApiError::invalid(
-                Some("tokens"),
-                format!("token id {bad} is outside the vocabulary of {vocab}"),
-            ));
-        }
+        in_vocab("tokens", &ids, state.service.tokenizer.vocab_size())?;
         let text = state
             .service
             .tokenizer
