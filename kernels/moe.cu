@@ -4,9 +4,10 @@
 //   `done` counter) does the top-k of every row, warp per row (softmax, repeated argmax with the lowest index on
 //   ties, renormalised in rank order). With done == 0 (FLASHPLAN_FUSE_SMALL=0) router_topk does the same as a second
 //   launch (block per row, radix select): the same values bit for bit;
-// - experts (warp per (pair of intermediate features, row, rank), feature-major: silu(gate x) * up x into scratch)
-//   then experts_down (warp per (output feature, row): four groups of 8 lanes take the ranks, summed in rank
-//   order); feature-major, so rows routed to one expert read its rows side by side (the repeats from L2);
+// - experts (warp per (two pairs of intermediate features, row, rank), feature-major: silu(gate x) * up x into
+//   scratch) then experts_down or experts_down_f4 (warp per (one or four output features, row): four groups of 8
+//   lanes take the ranks, summed in rank order); feature-major, so rows routed to one expert read its rows side by
+//   side (the repeats from L2);
 // - shared_expert (warp per intermediate feature, tiles of at most 4 rows over blockIdx.y; the sigmoid gate by one
 //   more warp) then shared_expert_down (warp per 2 output features; out = fmaf(gate, down, out)). On the graph's side
 //   branch (runtime/src/cuda/launch/moe.rs `branch_shared_experts`) both run beside the router and the experts' gate/up,
@@ -232,110 +233,149 @@ extern "C" __global__ void router_topk(const FpRouter p) {
     }
 }
 
-// hid[r, i, q] = silu(gate_e x_r) * (up_e x_r), e = ids[r, i]; warp per (pair of q, r, i).
-extern "C" __global__ void experts(const FpExperts p) {
-    pdl_start();
+// hid[r, i, q] = silu(gate_e x_r) * (up_e x_r), e = ids[r, i]; warp per (P pairs of q, r, i): 4 P weight rows
+// against one read of x_r, U chunks of each in flight. A feature's dots are warp_dots' sums whatever P and U.
+template <int P, int U>
+DEV void experts_gate_up(const FpExperts& p) {
     const FpCommon& c = p.c;
     const u32 R = c.nstreams * c.window;
     const u32 lane = threadIdx.x & 31;
     const u32 gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const u32 nwarps = (gridDim.x * blockDim.x) >> 5;
     const u32 D = p.dim, I = p.inter;
-    const u32 pairs = (I + 1) / 2;
-    const u64 items = (u64)R * p.topk * pairs;
+    const u32 groups = (I + 2 * P - 1) / (2 * P);
+    const u64 items = (u64)R * p.topk * groups;
     const bool wvec = (D & 7) == 0 && (p.gate_up & 15) == 0;
     for (u64 it = gw; it < items; it += nwarps) {
-        // Pair-major: the warps of one feature pair over every (row, rank) run side by side, so rows routed to the
-        // same expert read its weight rows together (one DRAM read, the others from L2).
-        const u32 q0 = (u32)(it / ((u64)R * p.topk)) * 2;
+        // Feature-major: the warps of one group of features over every (row, rank) run side by side, so rows routed
+        // to the same expert read its weight rows together (one DRAM read, the others from L2).
+        const u32 q0 = (u32)(it / ((u64)R * p.topk)) * 2 * P;
         const u32 rest = (u32)(it % ((u64)R * p.topk));
         const u32 r = rest / p.topk, i = rest % p.topk;
         if (!row_ok(c, r, false)) continue;
         const u32 e = uptr(p.ids)[(u64)r * p.topk + i];
         const bf16_t* gu = (const bf16_t*)p.gate_up + (u64)e * 2 * I * D;
-        const u32 q1 = q0 + 1 < I ? q0 + 1 : q0;
-        const bf16_t* w[4] = {gu + (u64)q0 * D, gu + (u64)(I + q0) * D, gu + (u64)q1 * D, gu + (u64)(I + q1) * D};
-        const bool ok[1] = {true};
-        float res[4][1];
-        warp_dots<1, 4, 4>(w, 4, fptr(p.x) + (u64)r * D, D, ok, D, wvec, lane, res);
-        float* hid = fptr(c.scratch) + ((u64)r * p.topk + i) * I;
-        if (lane == 0) {
-            hid[q0] = siluf_(res[0][0]) * res[1][0];
-            if (q0 + 1 < I) hid[q0 + 1] = siluf_(res[2][0]) * res[3][0];
+        const bf16_t* w[4 * P];
+#pragma unroll
+        for (int f = 0; f < 2 * P; f++) {
+            // Features past I read feature q0 again (every pointer valid) and write nothing.
+            const u32 q = q0 + f < I ? q0 + f : q0;
+            w[2 * f] = gu + (u64)q * D;
+            w[2 * f + 1] = gu + (u64)(I + q) * D;
         }
+        const bool ok[1] = {true};
+        float res[4 * P][1];
+        warp_dots<1, 4 * P, U>(w, 4 * P, fptr(p.x) + (u64)r * D, D, ok, D, wvec, lane, res);
+        float* hid = fptr(c.scratch) + ((u64)r * p.topk + i) * I;
+        if (lane == 0)
+#pragma unroll
+            for (int f = 0; f < 2 * P; f++)
+                if (q0 + f < I) hid[q0 + f] = siluf_(res[2 * f][0]) * res[2 * f + 1][0];
     }
 }
+// Two pairs a warp (8 weight rows against one read of x_r), 2 chunks of each in flight. H200, against one pair a warp
+// with 4 chunks in flight: lone-w1 902 -> 894 us, lone-w16 2706 -> 2602 us (with experts_down_f4); four pairs a
+// warp with one chunk in flight: lone-w16 3471 us.
+extern "C" __global__ void experts(const FpExperts p) { pdl_start(); experts_gate_up<2, 2>(p); }
 
-// out[r, d] = sum over ranks i in order of weights[r, i] * down_e[d] . hid[r, i]; warp per (d, r), lane group g
-// (8 lanes) takes ranks g, g + 4, ...
-extern "C" __global__ void experts_down(const FpExperts p) {
-    pdl_start();
+// out[r, d] = sum over ranks i in order of weights[r, i] * down_e[d] . hid[r, i]; warp per (F features d, r), lane
+// group g (8 lanes) takes ranks g, g + 4, ...: each chunk of hid read once for the F down rows, U chunks of each in
+// flight; a lane sums its chunks in ascending k whatever F and U.
+template <int F, int U>
+DEV void experts_down_t(const FpExperts& p) {
     const FpCommon& c = p.c;
     const u32 R = c.nstreams * c.window;
     const u32 lane = threadIdx.x & 31, g = lane >> 3, l8 = lane & 7;
     const u32 gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const u32 nwarps = (gridDim.x * blockDim.x) >> 5;
     const u32 D = p.dim, I = p.inter;
-    const u64 items = (u64)R * D;
+    const u64 items = (u64)R * ((D + F - 1) / F);
     const bool vec = (I & 7) == 0 && (p.down & 15) == 0;
     for (u64 it = gw; it < items; it += nwarps) {
-        // Feature-major: the warps of one output feature over every row run side by side, so rows routed to the
-        // same expert read its down row together (one DRAM read, the others from L2).
-        const u32 d = (u32)(it / R), r = (u32)(it % R);
+        // Feature-major: the warps of one group of output features over every row run side by side, so rows routed
+        // to the same expert read its down rows together (one DRAM read, the others from L2).
+        const u32 d0 = (u32)(it / R) * F, r = (u32)(it % R);
         if (!row_ok(c, r, false)) continue;
         const u32* ids = uptr(p.ids) + (u64)r * p.topk;
-        float part[MOE_MAX_TOPK / 4];
+        float part[MOE_MAX_TOPK / 4][F];
 #pragma unroll
-        for (int j = 0; j < MOE_MAX_TOPK / 4; j++) part[j] = 0.0f;
+        for (int j = 0; j < MOE_MAX_TOPK / 4; j++)
+#pragma unroll
+            for (int f = 0; f < F; f++) part[j][f] = 0.0f;
 #pragma unroll
         for (int j = 0; j < MOE_MAX_TOPK / 4; j++) {
             // Rounds whose lane groups hold no rank are skipped (the same j for the whole warp).
             if (4u * j >= p.topk) break;
             const u32 i = g + 4 * j;
-            float acc = 0.0f;
+            float acc[F];
+#pragma unroll
+            for (int f = 0; f < F; f++) acc[f] = 0.0f;
             if (i < p.topk) {
-                const bf16_t* dn = (const bf16_t*)p.down + (u64)ids[i] * D * I + (u64)d * I;
+                const bf16_t* dn[F];
+#pragma unroll
+                for (int f = 0; f < F; f++) {
+                    // Features past D read feature d0 again and write nothing.
+                    const u32 d = d0 + f < D ? d0 + f : d0;
+                    dn[f] = (const bf16_t*)p.down + (u64)ids[i] * D * I + (u64)d * I;
+                }
                 const float* h = fptr(c.scratch) + ((u64)r * p.topk + i) * I;
                 if (vec) {
-                    // Four chunks of each lane in flight at a time; the lane still sums them in ascending k.
-                    for (u32 kb = l8 * 8; kb < I; kb += 256) {
-                        uint4 wv[4];
+                    for (u32 kb = l8 * 8; kb < I; kb += 64 * U) {
+                        uint4 wv[U][F];
 #pragma unroll
-                        for (int u = 0; u < 4; u++) wv[u] = kb + 64 * u < I ? ldg_stream16(dn + kb + 64 * u) : zero4();
+                        for (int u = 0; u < U; u++)
 #pragma unroll
-                        for (int u = 0; u < 4; u++) {
+                            for (int f = 0; f < F; f++)
+                                wv[u][f] = kb + 64 * u < I ? ldg_stream16(dn[f] + kb + 64 * u) : zero4();
+#pragma unroll
+                        for (int u = 0; u < U; u++) {
                             const u32 kk = kb + 64 * u;
                             if (kk >= I) continue;
-                            float f[8], x[8];
-                            unpack8(wv[u], f);
+                            float x[8];
                             load_x8(h + kk, (I & 3) == 0, x);
-                            acc += dot8(f, x);
+#pragma unroll
+                            for (int f = 0; f < F; f++) {
+                                float w8[8];
+                                unpack8(wv[u][f], w8);
+                                acc[f] += dot8(w8, x);
+                            }
                         }
                     }
                 } else {
-                    for (u32 kk = l8; kk < I; kk += 8) acc = fmaf(bf2f(dn[kk]), h[kk], acc);
+                    for (u32 kk = l8; kk < I; kk += 8)
+#pragma unroll
+                        for (int f = 0; f < F; f++) acc[f] = fmaf(bf2f(dn[f][kk]), h[kk], acc[f]);
                 }
             }
-            part[j] = group8_sum(acc);
+#pragma unroll
+            for (int f = 0; f < F; f++) part[j][f] = group8_sum(acc[f]);
         }
-        float out = 0.0f;
 #pragma unroll
-        for (int j = 0; j < MOE_MAX_TOPK / 4; j++) {
-            if (4u * j >= p.topk) break;
+        for (int f = 0; f < F; f++) {
+            float out = 0.0f;
 #pragma unroll
-            for (int gg = 0; gg < 4; gg++) {
-                const float t = __shfl_sync(FULL_MASK, part[j], gg * 8);
-                const u32 i = gg + 4 * j;
-                if (i < p.topk) out += fptr(p.weights)[(u64)r * p.topk + i] * t;
+            for (int j = 0; j < MOE_MAX_TOPK / 4; j++) {
+                if (4u * j >= p.topk) break;
+#pragma unroll
+                for (int gg = 0; gg < 4; gg++) {
+                    const float t = __shfl_sync(FULL_MASK, part[j][f], gg * 8);
+                    const u32 i = gg + 4 * j;
+                    if (i < p.topk) out = fmaf(fptr(p.weights)[(u64)r * p.topk + i], t, out);
+                }
             }
-        }
-        if (lane == 0) {
-            // The shared expert of the side branch: the fmaf shared_expert_down does in place otherwise.
-            if (p.shared) out = fmaf(fptr(p.shared)[r], fptr(p.shared)[R + (u64)r * D + d], out);
-            fptr(p.out)[(u64)r * D + d] = out;
+            const u32 d = d0 + f;
+            if (lane == 0 && d < D) {
+                // The shared expert of the side branch: the fmaf shared_expert_down does in place otherwise.
+                if (p.shared) out = fmaf(fptr(p.shared)[r], fptr(p.shared)[R + (u64)r * D + d], out);
+                fptr(p.out)[(u64)r * D + d] = out;
+            }
         }
     }
 }
+// One feature a warp (4 chunks in flight), or four (2 chunks of each in flight: hid read once for four down rows,
+// a quarter of the L2 traffic of hid; runtime/src/cuda/launch/moe.rs `down_features` picks one by the row count).
+extern "C" __global__ void experts_down(const FpExperts p) { pdl_start(); experts_down_t<1, 4>(p); }
+extern "C" __global__ void experts_down_f4(const FpExperts p) { pdl_start(); experts_down_t<4, 2>(p); }
 
 // hid[r, q] = silu(gate_q . x_r) * (up_q . x_r) (warp per q, all rows); warp q == inter: sg[r] = sigmoid(scale . x_r)
 // at scratch[R * inter + r].

@@ -402,6 +402,8 @@ mod tests {
             "router_t1",
             "router_t8",
             "experts",
+            "experts_down",
+            "experts_down_f4",
             "shared_expert_t1",
             "shared_expert_t4",
             "sample",

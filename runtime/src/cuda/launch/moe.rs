@@ -46,8 +46,23 @@ fn router_experts_per_block(logits: &str) -> u32 {
 /// compiler to give it more, the grid would take two waves: slower, the same results.
 pub(super) const EXPERTS_BLOCKS_PER_SM: u32 = 2;
 
-/// The `Experts` node's launches: `experts` (the gate/up, thread per pair of features of a (row, rank)), then
-/// `experts_down` (warp per (output feature, row)); `shared`: 0, or the side branch's shared-expert gates, its down
+/// The experts' down entry point for a launch of `rows` rows and the output features a warp of it takes
+/// (kernels/moe.cu): four (`experts_down_f4`, each chunk of hid read once for four down rows) at 2 rows and from 16
+/// rows on, else one (`experts_down`). Four cut the L2 traffic of hid but take 121 registers (two blocks an SM): at
+/// one row its 640 warps leave SMs idle, at 4 and 8 rows its grid ends in a part-filled second or third wave.
+/// H200, the build with `experts` at two pairs a warp, against one feature a warp everywhere: lone-w2 1089 -> 1065
+/// us, lone-w16 2646 -> 2602 us; four features at 4 and 8 rows: lone-w4 1321 -> 1349 us, lone-w8 1747 -> 1756 us;
+/// two features at 4 to 8 rows were slower still (1351, 1796 us); two features at one row: lone-w1 902 -> 920 us.
+fn down_features(rows: u32) -> (&'static str, u32) {
+    if rows == 2 || rows >= 16 {
+        ("experts_down_f4", 4)
+    } else {
+        ("experts_down", 1)
+    }
+}
+
+/// The `Experts` node's launches: `experts` (the gate/up, warp per two pairs of features of a (row, rank)), then
+/// `experts_down` or `experts_down_f4` (warp per (one or four output features, row): [`down_features`]); `shared`: 0, or the side branch's shared-expert gates, its down
 /// dots following, for `experts_down` to add ([`branch_shared_experts`]).
 pub(super) fn experts_spec(
     a: &Addrs,
@@ -90,18 +105,21 @@ pub(super) fn experts_spec(
             "experts: top-{topk} is not supported (at most {MOE_MAX_TOPK})"
         )));
     }
-    let items = rows as u64 * *topk as u64 * inter.div_ceil(2) as u64;
+    // A warp of `experts` takes two pairs of features of one (row, rank).
+    let items = rows as u64 * *topk as u64 * inter.div_ceil(4) as u64;
     let mut grid = items.div_ceil(8) as u32;
     if rows == 1 {
-        // One row: the gate/up in one wave (`one_wave`: 3200 warps at the real width, 2112 resident). H200,
-        // lone-w1: `experts` 135.5 -> 131.4 us a replay. From 2 rows on the full grid was faster (lone-w16 2796 ->
-        // 2817 us with one wave): rows routed to one expert then read its rows side by side.
+        // One row: the gate/up in one wave (`one_wave`: at the real width 1600 warps, already one wave of the
+        // 2112 resident on the H200; with one pair a warp 3200 were cut to one wave: lone-w1 `experts` 135.5 ->
+        // 131.4 us a replay). From 2 rows on the full grid was faster (lone-w16 2796 -> 2817 us with one wave, one
+        // pair a warp): rows routed to one expert then read its rows side by side.
         grid = one_wave(grid, EXPERTS_BLOCKS_PER_SM, a.sms);
     }
+    let (down, feats) = down_features(rows);
     Ok(
         LaunchSpec::new("experts", bytes(&p), (grid, 1, 1), 256).then(
-            "experts_down",
-            (rows * *dim).div_ceil(8),
+            down,
+            (rows * dim.div_ceil(feats)).div_ceil(8),
             256,
         ),
     )

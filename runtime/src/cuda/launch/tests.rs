@@ -184,7 +184,11 @@ fn the_shared_expert_runs_on_the_side_branch_and_experts_down_joins_it() {
             assert_eq!((sh.keep_dots, sh.c.scratch), (1, SIDE_SCRATCH));
             let experts = sp[i - 1].as_ref().expect("experts launched");
             assert_eq!(experts.join_before, Some(experts.then.len()));
-            assert_eq!(experts.then.last().map(|t| t.0), Some("experts_down"));
+            let down = experts.then.last().map(|t| t.0);
+            assert!(
+                matches!(down, Some("experts_down" | "experts_down_f4")),
+                "{down:?}"
+            );
             let ex: FpExperts = params_of(experts);
             assert_eq!(
                 ex.shared,
@@ -499,4 +503,55 @@ fn only_a_one_row_linear_of_many_steps_a_warp_runs_deep() {
     // The GDN projections (10 steps a warp) and the output projections (24) stay at linear_t1.
     assert_eq!(entry(1, 2560, 10_240), "linear_t1");
     assert_eq!(entry(1, 6144, 2560), "linear_t1");
+}
+
+#[test]
+fn experts_launches_cover_every_item_once_with_no_empty_block() {
+    let mut seen = 0;
+    let mut downs = std::collections::BTreeSet::new();
+    for (v, sp) in tiny_specs(true) {
+        let rows = v.kind.shape().0 * v.kind.shape().1;
+        for (n, s) in v.nodes.iter().zip(&sp) {
+            let (
+                Op::Experts {
+                    topk, dim, inter, ..
+                },
+                Some(s),
+            ) = (&n.op, s)
+            else {
+                continue;
+            };
+            seen += 1;
+            assert_eq!(s.kernel, "experts");
+            // The gate/up: a warp per two pairs of features of a (row, rank), 8 warps a block; at one row cut to
+            // one wave, the blocks looping.
+            let warps = rows * topk * inter.div_ceil(4);
+            assert!(
+                s.grid.0 >= 1 && s.grid.0 <= warps.div_ceil(8),
+                "{}",
+                v.kind.name()
+            );
+            if rows > 1 {
+                assert_eq!(s.grid.0, warps.div_ceil(8), "{}", v.kind.name());
+            }
+            // The down: one or four output features a warp, by the row count.
+            let &(down, grid, block) = s.then.last().expect("experts_down follows");
+            let feats = if rows == 2 || rows >= 16 { 4 } else { 1 };
+            let want = if feats == 4 {
+                "experts_down_f4"
+            } else {
+                "experts_down"
+            };
+            assert_eq!((down, block), (want, 256), "{}", v.kind.name());
+            downs.insert(down);
+            assert_eq!(
+                grid.0,
+                (rows * dim.div_ceil(feats)).div_ceil(8),
+                "{}",
+                v.kind.name()
+            );
+        }
+    }
+    assert!(seen > 0, "the tiny plan has routed experts");
+    assert_eq!(downs.len(), 2, "both down entry points launched: {downs:?}");
 }
