@@ -252,7 +252,12 @@ struct Bf16Row {
 // l*8 + 256 j, U chunks of every weight row in flight at a time; per (m, t) the lane sums its chunks in ascending k
 // (dot8 each), then a fixed warp tree. The arithmetic of one (m, t) never depends on T, NPW, U, nm or the other
 // rows (row invariance), nor on the weight format beyond the values it decodes.
-template <int T, int NPW, int U, class Row>
+//
+// PRE: also load the batch's activation chunks (U x T x 8 floats in registers) before any dot, as predicated loads
+// after the weights', instead of each chunk's just before its dots (the compiler keeps those under the chunk's
+// branch: one L1/L2 latency after another). For launches of one block an SM, where the registers are free. The
+// arithmetic is the same.
+template <int T, int NPW, int U, class Row, bool PRE = false>
 DEV void warp_dots_rows(const Row* w, u32 nm, const float* X, u64 xs, const bool* ok, u32 K, bool wvec, u32 lane,
                         float (&res)[NPW][T]) {
     float acc[NPW][T];
@@ -271,6 +276,39 @@ DEV void warp_dots_rows(const Row* w, u32 nm, const float* X, u64 xs, const bool
                     const u32 kk = kb + u * 256;
                     wv[u][m] = ((u32)m < nm && kk < K) ? w[m].load(kk) : Row::zero();
                 }
+            if constexpr (PRE) {
+                if (xvec) {
+                    float4 xr[U][T][2];
+#pragma unroll
+                    for (int u = 0; u < U; u++)
+#pragma unroll
+                        for (int t = 0; t < T; t++) {
+                            const u32 kk = kb + u * 256;
+                            const bool in = kk < K && ok[t];
+                            const float4* xp = (const float4*)(X + (u64)t * xs + kk);
+                            xr[u][t][0] = in ? xp[0] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                            xr[u][t][1] = in ? xp[1] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                        }
+#pragma unroll
+                    for (int u = 0; u < U; u++) {
+                        const u32 kk = kb + u * 256;
+                        if (kk < K) {
+                            float f[NPW][8];
+#pragma unroll
+                            for (int m = 0; m < NPW; m++) Row::unpack(wv[u][m], f[m]);
+#pragma unroll
+                            for (int t = 0; t < T; t++) {
+                                if (!ok[t]) continue;
+                                const float x[8] = {xr[u][t][0].x, xr[u][t][0].y, xr[u][t][0].z, xr[u][t][0].w,
+                                                    xr[u][t][1].x, xr[u][t][1].y, xr[u][t][1].z, xr[u][t][1].w};
+#pragma unroll
+                                for (int m = 0; m < NPW; m++) acc[m][t] += dot8(f[m], x);
+                            }
+                        }
+                    }
+                    continue;
+                }
+            }
 #pragma unroll
             for (int u = 0; u < U; u++) {
                 const u32 kk = kb + u * 256;
@@ -307,13 +345,13 @@ DEV void warp_dots_rows(const Row* w, u32 nm, const float* X, u64 xs, const bool
         for (int t = 0; t < T; t++) res[m][t] = warp_sum(acc[m][t]);
 }
 // warp_dots_rows over BF16 rows given by their first weights.
-template <int T, int NPW, int U>
+template <int T, int NPW, int U, bool PRE = false>
 DEV void warp_dots(const bf16_t* const* w, u32 nm, const float* X, u64 xs, const bool* ok, u32 K, bool wvec,
                    u32 lane, float (&res)[NPW][T]) {
     Bf16Row r[NPW];
 #pragma unroll
     for (int m = 0; m < NPW; m++) r[m].p = w[m];
-    warp_dots_rows<T, NPW, U>(r, nm, X, xs, ok, K, wvec, lane, res);
+    warp_dots_rows<T, NPW, U, Bf16Row, PRE>(r, nm, X, xs, ok, K, wvec, lane, res);
 }
 
 // Sum over the 8 lanes of a lane group (lanes 8g..8g+7), fixed tree; every lane of the group gets it.

@@ -20,7 +20,7 @@
 #define MOE_MAX_TOPK 32
 #define MOE_NPW 2
 
-template <int T, int NPW = MOE_NPW, int U = 4>
+template <int T, int NPW = MOE_NPW, int U = 4, bool PRE = false>
 DEV void router_t(const FpRouter& p, u32 R) {
     const FpCommon& c = p.c;
     const u32 lane = threadIdx.x & 31;
@@ -39,7 +39,7 @@ DEV void router_t(const FpRouter& p, u32 R) {
 #pragma unroll
             for (int t = 0; t < T; t++) ok[t] = i0 + t < R && row_ok(c, i0 + t, false);
             float res[NPW][T];
-            warp_dots<T, NPW, U>(w, nm, fptr(p.x) + (u64)i0 * p.dim, p.dim, ok, p.dim, wvec, lane, res);
+            warp_dots<T, NPW, U, PRE>(w, nm, fptr(p.x) + (u64)i0 * p.dim, p.dim, ok, p.dim, wvec, lane, res);
             if (lane == 0)
 #pragma unroll
                 for (int m = 0; m < NPW; m++)
@@ -52,6 +52,11 @@ DEV void router_t(const FpRouter& p, u32 R) {
 
 // Router block size of router_topk (the softmax's block trees): router_topk_warp reproduces its sums over it.
 #define ROUTER_TOPK_THREADS 1024
+
+// A release/acquire fence at GPU scope (PTX `fence.acq_rel.gpu`): orders this thread's logit stores before the
+// block's count, and the last block's loads after it (the message-passing pattern of the PTX memory model). Lighter
+// than `__threadfence()`, which sm_90 compiles to a sequentially consistent fence (MEMBAR.SC.GPU).
+DEV void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 
 // A load from L2 (not L1): values other blocks of this launch wrote (after the fences of the last-block count).
 DEV float ld_cg(const float* p) {
@@ -133,13 +138,13 @@ DEV void router_topk_warp(const FpRouter& p, u32 r, u32 lane) {
 // one warp before its block's count, so the top-k reads each final value.
 DEV void router_last_block(const FpRouter& p, u32 R) {
     __shared__ u32 last;
-    __threadfence();  // this thread's logits, device-wide, before the block's count
+    fence_acq_rel_gpu();  // this thread's logits, device-wide, before the block's count (release)
     __syncthreads();
     // atomicInc wraps to 0 at the last block's count: the counter is 0 again for the next launch.
     if (threadIdx.x == 0) last = atomicInc(uptr(p.done), gridDim.x * gridDim.y - 1) == gridDim.x * gridDim.y - 1 ? 1u : 0u;
     __syncthreads();
     if (!last) return;
-    __threadfence();  // every other block counted after its fence: their logits are visible from here
+    fence_acq_rel_gpu();  // every other block counted after its fence: their logits are visible from here (acquire)
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     for (u32 r = warp; r < R; r += nw) {
         if (!row_ok(p.c, r, false)) continue;
@@ -155,13 +160,13 @@ DEV void router_last_block(const FpRouter& p, u32 R) {
 // (K = 2560 at the real width) in flight at once, 8 experts a block (runtime/src/cuda/launch/moe.rs
 // `router_experts_per_block`; H200: 10.9 -> 10.6 us a node); the others a warp MOE_NPW experts, 4 chunks per row in
 // flight. An expert's logit is the same warp_dots sum either way.
-template <int T, int NPW = MOE_NPW, int U = 4>
+template <int T, int NPW = MOE_NPW, int U = 4, bool PRE = false>
 DEV void router_entry(const FpRouter& p) {
     const u32 R = p.c.nstreams * p.c.window;
-    router_t<T, NPW, U>(p, R);
+    router_t<T, NPW, U, PRE>(p, R);
     if (p.done) router_last_block(p, R);
 }
-extern "C" __global__ void router_t1(const FpRouter p) { pdl_start(); router_entry<1, 1, 10>(p); }
+extern "C" __global__ void router_t1(const FpRouter p) { pdl_start(); router_entry<1, 1, 10, true>(p); }
 extern "C" __global__ void router_t2(const FpRouter p) { pdl_start(); router_entry<2>(p); }
 extern "C" __global__ void router_t4(const FpRouter p) { pdl_start(); router_entry<4>(p); }
 extern "C" __global__ void router_t8(const FpRouter p) { pdl_start(); router_entry<8>(p); }
@@ -379,7 +384,7 @@ extern "C" __global__ void experts_down_f4(const FpExperts p) { pdl_start(); exp
 
 // hid[r, q] = silu(gate_q . x_r) * (up_q . x_r) (warp per q, all rows); warp q == inter: sg[r] = sigmoid(scale . x_r)
 // at scratch[R * inter + r].
-template <int T, int U = 4>
+template <int T, int U = 4, bool PRE = false>
 DEV void shared_t(const FpSharedExpert& p, u32 R) {
     const FpCommon& c = p.c;
     const u32 lane = threadIdx.x & 31;
@@ -403,7 +408,7 @@ DEV void shared_t(const FpSharedExpert& p, u32 R) {
 #pragma unroll
             for (int t = 0; t < T; t++) ok[t] = i0 + t < R && row_ok(c, i0 + t, false);
             float res[2][T];
-            warp_dots<T, 2, U>(w, nm, fptr(p.x) + (u64)i0 * D, D, ok, D, wvec, lane, res);
+            warp_dots<T, 2, U, PRE>(w, nm, fptr(p.x) + (u64)i0 * D, D, ok, D, wvec, lane, res);
             if (lane == 0)
 #pragma unroll
                 for (int t = 0; t < T; t++) {
@@ -419,11 +424,11 @@ DEV void shared_t(const FpSharedExpert& p, u32 R) {
 
 // shared_expert_t1: a lane's 10 chunks of each row (K = 2560 at the real width) in flight at once (H200: 8.3 -> 8.1 us
 // a node).
-template <int T, int U = 4>
+template <int T, int U = 4, bool PRE = false>
 DEV void shared_entry(const FpSharedExpert& p) {
-    shared_t<T, U>(p, p.c.nstreams * p.c.window);
+    shared_t<T, U, PRE>(p, p.c.nstreams * p.c.window);
 }
-extern "C" __global__ void shared_expert_t1(const FpSharedExpert p) { pdl_start(); shared_entry<1, 10>(p); }
+extern "C" __global__ void shared_expert_t1(const FpSharedExpert p) { pdl_start(); shared_entry<1, 10, true>(p); }
 extern "C" __global__ void shared_expert_t2(const FpSharedExpert p) { pdl_start(); shared_entry<2>(p); }
 extern "C" __global__ void shared_expert_t4(const FpSharedExpert p) { pdl_start(); shared_entry<4>(p); }
 
