@@ -418,11 +418,9 @@ mod tests {
     /// `FLASHPLAN_REQUIRE_NVRTC=1` (CI sets it after scripts/setup_nvrtc.sh): then a missing NVRTC fails.
     #[test]
     fn kernels_compile_for_sm_90a() {
-        let require = match std::env::var("FLASHPLAN_REQUIRE_NVRTC") {
-            Err(std::env::VarError::NotPresent) => false,
-            Ok(v) if v == "1" || v == "0" => v == "1",
-            other => panic!("FLASHPLAN_REQUIRE_NVRTC={other:?}: expected 1 or 0"),
-        };
+        let require = flashplan_plan::env::switch("FLASHPLAN_REQUIRE_NVRTC")
+            .unwrap_or_else(|e| panic!("{e}"))
+            .unwrap_or(false);
         // SAFETY: only loads the library.
         let present = unsafe { cudarc::nvrtc::sys::is_culib_present() };
         if !present {

@@ -63,18 +63,13 @@ impl EngineOptions {
     /// # Errors
     /// [`EnvError`] naming the variable when its value is not one of those.
     pub fn from_env(mut self) -> Result<Self, EnvError> {
-        if let Ok(v) = std::env::var("FLASHPLAN_COPY_DRAFTS") {
-            self.copy_drafts = match v.as_str() {
-                "1" => true,
-                "0" => false,
-                _ => {
-                    return Err(EnvError {
-                        name: "FLASHPLAN_COPY_DRAFTS",
-                        value: v,
-                        expected: "1, 0",
-                    })
-                }
-            };
+        let copy = flashplan_plan::env::switch("FLASHPLAN_COPY_DRAFTS").map_err(|e| EnvError {
+            name: "FLASHPLAN_COPY_DRAFTS",
+            value: e.value,
+            expected: "1, 0",
+        })?;
+        if let Some(on) = copy {
+            self.copy_drafts = on;
         }
         if let Ok(v) = std::env::var("FLASHPLAN_MTP_WEIGHTS") {
             self.drafter_form = match v.as_str() {

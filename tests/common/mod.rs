@@ -147,12 +147,9 @@ pub fn req(
 /// A test switch from the environment: `1` on, `0` or unset off; any other value fails the test, naming the
 /// variable (a misspelt `FLASHPLAN_GPU=true` would otherwise skip the GPU checks and pass).
 pub fn switch(name: &str) -> bool {
-    match std::env::var(name) {
-        Err(std::env::VarError::NotPresent) => false,
-        Ok(v) if v == "1" => true,
-        Ok(v) if v == "0" => false,
-        other => panic!("{name}={other:?}: expected 1 or 0"),
-    }
+    flashplan_plan::env::switch(name)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .unwrap_or(false)
 }
 
 /// The GPU's name when the GPU checks run (`FLASHPLAN_GPU=1` and a usable GPU); otherwise prints why they skip.

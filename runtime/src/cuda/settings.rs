@@ -3,28 +3,24 @@
 
 use crate::backend::BackendError;
 
-/// A `1`/`0` switch of the CUDA backend read from the environment (default on when unset).
+/// A `1`/`0` switch of the CUDA backend read from the environment (`default` when unset;
+/// [`flashplan_plan::env::switch`]).
 ///
 /// # Errors
 /// Any other value: [`BackendError::Setting`] naming the variable, what `1` does and the accepted values.
 fn switch_setting(name: &str, what: &str, default: bool) -> Result<bool, BackendError> {
-    match std::env::var(name) {
-        Err(_) => Ok(default),
-        Ok(v) => match v.as_str() {
-            "1" => Ok(true),
-            "0" => Ok(false),
-            _ => {
-                let (on, off) = if default {
-                    (", the default", "")
-                } else {
-                    ("", ", the default")
-                };
-                Err(BackendError::Setting(format!(
-                    "{name}={v:?} is not understood: expected 1 ({what}{on}) or 0 (off{off})"
-                )))
-            }
-        },
-    }
+    let on = flashplan_plan::env::switch(name).map_err(|e| {
+        let (on, off) = if default {
+            (", the default", "")
+        } else {
+            ("", ", the default")
+        };
+        BackendError::Setting(format!(
+            "{name}={:?} is not understood: expected 1 ({what}{on}) or 0 (off{off})",
+            e.value
+        ))
+    })?;
+    Ok(on.unwrap_or(default))
 }
 
 /// `FLASHPLAN_PDL`: `1` (default) launches every kernel as a programmatic dependent launch, `0` as a plain launch (the
