@@ -53,11 +53,6 @@ DEV void router_t(const FpRouter& p, u32 R) {
 // Router block size of router_topk (the softmax's block trees): router_topk_warp reproduces its sums over it.
 #define ROUTER_TOPK_THREADS 1024
 
-// A release/acquire fence at GPU scope (PTX `fence.acq_rel.gpu`): orders this thread's logit stores before the
-// block's count, and the last block's loads after it (the message-passing pattern of the PTX memory model). Lighter
-// than `__threadfence()`, which sm_90 compiles to a sequentially consistent fence (MEMBAR.SC.GPU).
-DEV void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
-
 // A load from L2 (not L1): values other blocks of this launch wrote (after the fences of the last-block count).
 DEV float ld_cg(const float* p) {
     float v;
@@ -134,17 +129,22 @@ DEV void router_topk_warp(const FpRouter& p, u32 r, u32 lane) {
 }
 
 // After the logits (p.done != 0): the last block of the launch to finish does the top-k of every row (warp per
-// row); the count wraps to 0 for the next launch (graph replay). Integer count only; every logit is written by
+// row); the count wraps to 0 for the next launch (graph replay). Every thread fences with `__threadfence()` (sm_90:
+// a sequentially consistent fence, MEMBAR.SC.GPU), as CUDA's threadFenceReduction sample does: the count is made by
+// thread 0 but the logits by lane 0 of each warp, and the SC fences' total order is what makes the pattern valid.
+// (`fence.acq_rel.gpu` in every thread is not enough under the PTX memory model: a release must precede the flag's
+// write in the same thread. The lighter form would be cooperative groups' grid sync: a barrier, then thread 0 alone
+// fence.acq_rel, count, fence.acq_rel, then a barrier; not measured yet.) Integer count only; every logit is written by
 // one warp before its block's count, so the top-k reads each final value.
 DEV void router_last_block(const FpRouter& p, u32 R) {
     __shared__ u32 last;
-    fence_acq_rel_gpu();  // this thread's logits, device-wide, before the block's count (release)
+    __threadfence();  // this thread's logits, device-wide, before the block's count
     __syncthreads();
     // atomicInc wraps to 0 at the last block's count: the counter is 0 again for the next launch.
     if (threadIdx.x == 0) last = atomicInc(uptr(p.done), gridDim.x * gridDim.y - 1) == gridDim.x * gridDim.y - 1 ? 1u : 0u;
     __syncthreads();
     if (!last) return;
-    fence_acq_rel_gpu();  // every other block counted after its fence: their logits are visible from here (acquire)
+    __threadfence();  // every other block counted after its fence: their logits are visible from here
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     for (u32 r = warp; r < R; r += nw) {
         if (!row_ok(p.c, r, false)) continue;

@@ -53,7 +53,7 @@ pub(super) const EXPERTS_BLOCKS_PER_SM: u32 = 2;
 /// H200, the build with `experts` at two pairs a warp, against one feature a warp everywhere: lone-w2 1089 -> 1065
 /// us, lone-w16 2646 -> 2602 us; four features at 4 and 8 rows: lone-w4 1321 -> 1349 us, lone-w8 1747 -> 1756 us;
 /// two features at 4 to 8 rows were slower still (1351, 1796 us); two features at one row: lone-w1 902 -> 920 us.
-fn down_features(rows: u32) -> (&'static str, u32) {
+pub(super) fn down_features(rows: u32) -> (&'static str, u32) {
     if rows == 2 || rows >= 16 {
         ("experts_down_f4", 4)
     } else {

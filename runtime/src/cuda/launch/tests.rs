@@ -184,10 +184,9 @@ fn the_shared_expert_runs_on_the_side_branch_and_experts_down_joins_it() {
             assert_eq!((sh.keep_dots, sh.c.scratch), (1, SIDE_SCRATCH));
             let experts = sp[i - 1].as_ref().expect("experts launched");
             assert_eq!(experts.join_before, Some(experts.then.len()));
-            let down = experts.then.last().map(|t| t.0);
-            assert!(
-                matches!(down, Some("experts_down" | "experts_down_f4")),
-                "{down:?}"
+            assert_eq!(
+                experts.then.last().map(|t| t.0),
+                Some(down_features(rows as u32).0)
             );
             let ex: FpExperts = params_of(experts);
             assert_eq!(
@@ -506,7 +505,7 @@ fn only_a_one_row_linear_of_many_steps_a_warp_runs_deep() {
 }
 
 #[test]
-fn experts_launches_cover_every_item_once_with_no_empty_block() {
+fn experts_grids_have_one_block_per_8_warps_of_items_and_both_down_kernels_run() {
     let mut seen = 0;
     let mut downs = std::collections::BTreeSet::new();
     for (v, sp) in tiny_specs(true) {
@@ -534,22 +533,25 @@ fn experts_launches_cover_every_item_once_with_no_empty_block() {
             if rows > 1 {
                 assert_eq!(s.grid.0, warps.div_ceil(8), "{}", v.kind.name());
             }
-            // The down: one or four output features a warp, by the row count.
+            // The down: one or four output features a warp, by the row count (four at 2 rows and from 16 on).
             let &(down, grid, block) = s.then.last().expect("experts_down follows");
-            let feats = if rows == 2 || rows >= 16 { 4 } else { 1 };
-            let want = if feats == 4 {
-                "experts_down_f4"
-            } else {
-                "experts_down"
-            };
+            let (want, feats) = down_features(rows);
+            assert_eq!(
+                (want, feats),
+                if rows == 2 || rows >= 16 {
+                    ("experts_down_f4", 4)
+                } else {
+                    ("experts_down", 1)
+                }
+            );
             assert_eq!((down, block), (want, 256), "{}", v.kind.name());
-            downs.insert(down);
             assert_eq!(
                 grid.0,
                 (rows * dim.div_ceil(feats)).div_ceil(8),
                 "{}",
                 v.kind.name()
             );
+            downs.insert(down);
         }
     }
     assert!(seen > 0, "the tiny plan has routed experts");
