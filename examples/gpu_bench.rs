@@ -1087,9 +1087,59 @@ fn main() -> anyhow::Result<()> {
             ci.variant, ci.nodes, ci.ms
         );
     }
+    profile_tables(&body, &profiles, layers, all_nodes);
+    if read_floor_t {
+        read_floor_table(&be, &cfg)?;
+    }
+    let floor_note = format!(
+        "floor = dense weights read (gathered rows only for the embedding and PLE tables) + distinct routed \
+         experts per MoE layer over the round's rows (read back from the device router) x {:.2} MB + {:.2} MB of \
+         recurrent state per stream (GDN recurrent and conv, PLE history and tail; read and written once), at \
+         4.25 TB/s (the H200's measured copy bandwidth); not in it: KV-cache and indexer-key traffic, \
+         activations, logits. 48-layer est.: the layers' part of time and floor x {:.0}, the head once",
+        mb(expert_bytes(VariantKind::Lone { window: 1 })),
+        mb(state_rw),
+        48.0 / layers as f64
+    );
+    let run = Tables {
+        body: &body,
+        pos,
+        iters,
+        layers,
+        state_rw,
+        floor_note,
+    };
+    if streams_t {
+        streams_table(&mut be, &run, &mut cache)?;
+    }
+    if windows_t {
+        windows_table(&mut be, &run, &mut cache)?;
+    }
+    for ci in &be.captures()[captures_shown..] {
+        println!(
+            "graph {}: {} kernel nodes (captured in {:.1} ms)",
+            ci.variant, ci.nodes, ci.ms
+        );
+    }
+    drop(be);
+    if drafter_t {
+        drafter_table(&body, &mx, pos, iters, all_nodes)?;
+    }
+    Ok(())
+}
+
+/// The one-stream windows' per-layer figures with their 48-layer extrapolation, and the largest kernels (per-node
+/// bench times) of lone-w1 and lone-w16 (`all_nodes`: every node, else the 12 largest). `profiles`: (variant, its
+/// bench result, bytes a replay reads).
+fn profile_tables(
+    body: &PlanBody,
+    profiles: &[(VariantKind, BenchResult, u64)],
+    layers: usize,
+    all_nodes: bool,
+) {
     // Per layer and 48-layer extrapolation, from the per-node times scaled to the replay time.
-    for (kind, r, bytes) in &profiles {
-        let (head_t, head_bytes) = head_split(&body, *kind, r);
+    for (kind, r, bytes) in profiles {
+        let (head_t, head_bytes) = head_split(body, *kind, r);
         let layers_t = r.median_us - head_t;
         let per_layer = layers_t / layers as f64;
         let layer_bytes = (bytes - head_bytes) as f64 / layers as f64;
@@ -1117,10 +1167,10 @@ fn main() -> anyhow::Result<()> {
     {
         let sum: f64 = r.nodes_us.iter().sum();
         println!(
-            "\n{}: kernels by time (CudaBackend::bench per-node times, summed over nodes; replay {:.1} us)",
-            kind.name(),
-            r.median_us
-        );
+        "\n{}: kernels by time (CudaBackend::bench per-node times, summed over nodes; replay {:.1} us)",
+        kind.name(),
+        r.median_us
+    );
         println!("| kernel | us | share of node time |");
         println!("|---|---|---|");
         for (k, t) in &r.kernels_us {
@@ -1142,156 +1192,176 @@ fn main() -> anyhow::Result<()> {
             println!(
                 "  {:>3} {:<10} {}{} {:.1} us",
                 i,
-                layer_label(&body, n),
+                layer_label(body, n),
                 n.op.kernel(),
                 what,
                 t
             );
         }
     }
-    if read_floor_t {
-        read_floor_table(&be, &cfg)?;
-    }
-    let floor_note = format!(
-        "floor = dense weights read (gathered rows only for the embedding and PLE tables) + distinct routed \
-         experts per MoE layer over the round's rows (read back from the device router) x {:.2} MB + {:.2} MB of \
-         recurrent state per stream (GDN recurrent and conv, PLE history and tail; read and written once), at \
-         4.25 TB/s (the H200's measured copy bandwidth); not in it: KV-cache and indexer-key traffic, \
-         activations, logits. 48-layer est.: the layers' part of time and floor x {:.0}, the head once",
-        mb(expert_bytes(VariantKind::Lone { window: 1 })),
-        mb(state_rw),
-        48.0 / layers as f64
+}
+
+/// What the streams and windows tables share: the plan, the rows' position, the replays per median, the layers of
+/// the bench model (for the 48-layer estimate), one stream's recurrent state read + written (bytes) and the floors'
+/// description.
+struct Tables<'a> {
+    body: &'a PlanBody,
+    pos: u32,
+    iters: u32,
+    layers: usize,
+    state_rw: u64,
+    floor_note: String,
+}
+
+/// Issue 6: plain decoding of 1..16 streams of one row against each round's byte floor, and the lone-stream slot
+/// against the one-stream shared variant timed in alternation.
+fn streams_table(
+    be: &mut CudaBackend,
+    run: &Tables,
+    cache: &mut BTreeMap<VariantKind, Meas>,
+) -> anyhow::Result<()> {
+    let Tables {
+        body,
+        pos,
+        iters,
+        layers,
+        state_rw,
+        ref floor_note,
+    } = *run;
+    println!(
+        "\n**Streams (issue 6).** verify-sS-w1: S streams of one row, stream i on slot i at position {pos} with \
+         its own token; median of {iters} graph replays (CUDA events, after warm-up); aggregate tokens/s = S / \
+         replay time; {floor_note}. Target: the 16-stream round within 1.5x of its floor; lone-w1 at least \
+         as fast as verify-s1-w1.\n"
     );
-    if streams_t {
-        println!(
-            "\n**Streams (issue 6).** verify-sS-w1: S streams of one row, stream i on slot i at position {pos} with \
-             its own token; median of {iters} graph replays (CUDA events, after warm-up); aggregate tokens/s = S / \
-             replay time; {floor_note}. Target: the 16-stream round within 1.5x of its floor; lone-w1 at least \
-             as fast as verify-s1-w1.\n"
-        );
-        println!("| streams | variant | time/replay us | tokens/s | distinct experts | floor MB | floor us | time / floor | 48-layer est. tokens/s | 48-layer est. time / floor | within 1.5x |");
-        println!("|---|---|---|---|---|---|---|---|---|---|---|");
-        let mut ratios = BTreeMap::new();
-        let lone = VariantKind::Lone { window: 1 };
-        for kind in STREAMS
-            .iter()
-            .map(|&s| VariantKind::Verify {
-                streams: s,
-                window: 1,
-            })
-            .chain([lone])
-        {
-            let (s, _) = kind.shape();
-            let d = desc_streams(s, 1, pos, 1001);
-            let m = measure(&mut be, &body, &mut cache, kind, &d, iters)?;
-            let t = m.r.median_us;
-            let fl = Floor::of(&body, kind, m.experts, state_rw);
-            let (ht, hb) = head_split(&body, kind, &m.r);
-            let (t48, b48) = est48(layers, t, ht, fl.bytes(), hb);
-            let (ratio, r48) = (t / fl.us(), t48 / (b48 / BW * 1e6));
-            println!(
-                "| {s} | {} | {t:.1} | {:.0} | {} | {:.1} | {:.1} | {ratio:.2}x | {:.0} | {r48:.2}x | {} |",
-                kind.name(),
-                s as f64 / (t * 1e-6),
-                m.experts,
-                mb(fl.bytes()),
-                fl.us(),
-                s as f64 / (t48 * 1e-6),
-                verdict(ratio <= 1.5)
-            );
-            ratios.insert(kind, (t, ratio, r48));
-        }
-        let s16 = ratios[&VariantKind::Verify {
-            streams: 16,
+    println!("| streams | variant | time/replay us | tokens/s | distinct experts | floor MB | floor us | time / floor | 48-layer est. tokens/s | 48-layer est. time / floor | within 1.5x |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    let mut ratios = BTreeMap::new();
+    let lone = VariantKind::Lone { window: 1 };
+    for kind in STREAMS
+        .iter()
+        .map(|&s| VariantKind::Verify {
+            streams: s,
             window: 1,
-        }];
+        })
+        .chain([lone])
+    {
+        let (s, _) = kind.shape();
+        let d = desc_streams(s, 1, pos, 1001);
+        let m = measure(be, body, cache, kind, &d, iters)?;
+        let t = m.r.median_us;
+        let fl = Floor::of(body, kind, m.experts, state_rw);
+        let (ht, hb) = head_split(body, kind, &m.r);
+        let (t48, b48) = est48(layers, t, ht, fl.bytes(), hb);
+        let (ratio, r48) = (t / fl.us(), t48 / (b48 / BW * 1e6));
         println!(
-            "\n16 streams: {:.2}x of the floor (48-layer est. {:.2}x): {} (target <= 1.5x)",
-            s16.1,
-            s16.2,
-            verdict(s16.1 <= 1.5)
+            "| {s} | {} | {t:.1} | {:.0} | {} | {:.1} | {:.1} | {ratio:.2}x | {:.0} | {r48:.2}x | {} |",
+            kind.name(),
+            s as f64 / (t * 1e-6),
+            m.experts,
+            mb(fl.bytes()),
+            fl.us(),
+            s as f64 / (t48 * 1e-6),
+            verdict(ratio <= 1.5)
         );
-        let shared = ratios[&VariantKind::Verify {
-            streams: 1,
-            window: 1,
-        }]
-            .0;
-        let lone_t = ratios[&lone].0;
-        // The two one-stream variants do the same work, so the medians above (taken minutes apart) differ by the
-        // machine's drift as much as by the variants: the verdict comes from timing them in alternation,
-        // HEAD_TO_HEAD rounds of `iters / 5` replays each (same descriptor), median of each variant's round medians.
-        let shared_kind = VariantKind::Verify {
-            streams: 1,
-            window: 1,
-        };
-        let d1 = desc_streams(1, 1, pos, 1001);
-        let (mut tl, mut tsh) = (Vec::new(), Vec::new());
-        for _ in 0..HEAD_TO_HEAD {
-            tl.push(be.replay_median(lone, &d1, (iters / 5).max(1))?);
-            tsh.push(be.replay_median(shared_kind, &d1, (iters / 5).max(1))?);
-        }
-        let (hl, hs) = (median(&mut tl), median(&mut tsh));
-        println!(
-            "lone-w1 {lone_t:.1} us vs verify-s1-w1 {shared:.1} us in the table (lone / shared = {:.3}); in \
-             alternation ({HEAD_TO_HEAD} rounds of {} replays each): lone-w1 {hl:.1} us vs verify-s1-w1 {hs:.1} us \
-             (lone / shared = {:.3}): {} (the lone-stream slot at least as fast)",
-            lone_t / shared,
-            (iters / 5).max(1),
-            hl / hs,
-            verdict(hl <= hs)
-        );
+        ratios.insert(kind, (t, ratio, r48));
     }
-    if windows_t {
-        println!(
-            "\n**Windows (issue 5).** lone-wR: one stream, R rows at position {pos}, distinct tokens; median of \
-             {iters} graph replays; {floor_note}. Full-keep speed-up = R x time(lone-w1) / time(lone-wR). Target: \
-             within 1.3x of the floor; a round keeping 12 tokens at least 1.5x faster than plain decoding.\n"
-        );
-        println!("| rows | variant | time/replay us | distinct experts | floor MB | floor us | time / floor | 48-layer est. time / floor | within 1.3x | full-keep speed-up | 48-layer est. speed-up |");
-        println!("|---|---|---|---|---|---|---|---|---|---|---|");
-        let mut times = BTreeMap::new();
-        for &r in &WINDOWS {
-            let kind = VariantKind::Lone { window: r };
-            let d = desc_streams(1, r, pos, 1000 + r as u64);
-            let m = measure(&mut be, &body, &mut cache, kind, &d, iters)?;
-            let t = m.r.median_us;
-            let fl = Floor::of(&body, kind, m.experts, state_rw);
-            let (ht, hb) = head_split(&body, kind, &m.r);
-            let (t48, b48) = est48(layers, t, ht, fl.bytes(), hb);
-            times.insert(r, (t, t48));
-            let (t1, t1_48) = times[&1];
-            let ratio = t / fl.us();
-            println!(
-                "| {r} | {} | {t:.1} | {} | {:.1} | {:.1} | {ratio:.2}x | {:.2}x | {} | {:.2}x | {:.2}x |",
-                kind.name(),
-                m.experts,
-                mb(fl.bytes()),
-                fl.us(),
-                t48 / (b48 / BW * 1e6),
-                verdict(ratio <= 1.3),
-                r as f64 * t1 / t,
-                r as f64 * t1_48 / t48
-            );
-        }
+    let s16 = ratios[&VariantKind::Verify {
+        streams: 16,
+        window: 1,
+    }];
+    println!(
+        "\n16 streams: {:.2}x of the floor (48-layer est. {:.2}x): {} (target <= 1.5x)",
+        s16.1,
+        s16.2,
+        verdict(s16.1 <= 1.5)
+    );
+    let shared = ratios[&VariantKind::Verify {
+        streams: 1,
+        window: 1,
+    }]
+        .0;
+    let lone_t = ratios[&lone].0;
+    // The two one-stream variants do the same work, so the medians above (taken minutes apart) differ by the
+    // machine's drift as much as by the variants: the verdict comes from timing them in alternation,
+    // HEAD_TO_HEAD rounds of `iters / 5` replays each (same descriptor), median of each variant's round medians.
+    let shared_kind = VariantKind::Verify {
+        streams: 1,
+        window: 1,
+    };
+    let d1 = desc_streams(1, 1, pos, 1001);
+    let (mut tl, mut tsh) = (Vec::new(), Vec::new());
+    for _ in 0..HEAD_TO_HEAD {
+        tl.push(be.replay_median(lone, &d1, (iters / 5).max(1))?);
+        tsh.push(be.replay_median(shared_kind, &d1, (iters / 5).max(1))?);
+    }
+    let (hl, hs) = (median(&mut tl), median(&mut tsh));
+    println!(
+        "lone-w1 {lone_t:.1} us vs verify-s1-w1 {shared:.1} us in the table (lone / shared = {:.3}); in \
+         alternation ({HEAD_TO_HEAD} rounds of {} replays each): lone-w1 {hl:.1} us vs verify-s1-w1 {hs:.1} us \
+         (lone / shared = {:.3}): {} (the lone-stream slot at least as fast)",
+        lone_t / shared,
+        (iters / 5).max(1),
+        hl / hs,
+        verdict(hl <= hs)
+    );
+    Ok(())
+}
+
+/// Issue 5: windows of 1..16 rows of one stream against their byte floors, and the speed-up of a round keeping 12
+/// tokens.
+fn windows_table(
+    be: &mut CudaBackend,
+    run: &Tables,
+    cache: &mut BTreeMap<VariantKind, Meas>,
+) -> anyhow::Result<()> {
+    let Tables {
+        body,
+        pos,
+        iters,
+        layers,
+        state_rw,
+        ref floor_note,
+    } = *run;
+    println!(
+        "\n**Windows (issue 5).** lone-wR: one stream, R rows at position {pos}, distinct tokens; median of \
+         {iters} graph replays; {floor_note}. Full-keep speed-up = R x time(lone-w1) / time(lone-wR). Target: \
+         within 1.3x of the floor; a round keeping 12 tokens at least 1.5x faster than plain decoding.\n"
+    );
+    println!("| rows | variant | time/replay us | distinct experts | floor MB | floor us | time / floor | 48-layer est. time / floor | within 1.3x | full-keep speed-up | 48-layer est. speed-up |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    let mut times = BTreeMap::new();
+    for &r in &WINDOWS {
+        let kind = VariantKind::Lone { window: r };
+        let d = desc_streams(1, r, pos, 1000 + r as u64);
+        let m = measure(be, body, cache, kind, &d, iters)?;
+        let t = m.r.median_us;
+        let fl = Floor::of(body, kind, m.experts, state_rw);
+        let (ht, hb) = head_split(body, kind, &m.r);
+        let (t48, b48) = est48(layers, t, ht, fl.bytes(), hb);
+        times.insert(r, (t, t48));
         let (t1, t1_48) = times[&1];
-        for r in [12u32, 16] {
-            let (t, t48) = times[&r];
-            let (sp, sp48) = (12.0 * t1 / t, 12.0 * t1_48 / t48);
-            println!(
-                "round keeping 12 tokens in the {r}-row window: 12 x {t1:.1} us / {t:.1} us = {sp:.2}x faster than plain decoding (48-layer est. {sp48:.2}x): {} (target >= 1.5x)",
-                verdict(sp >= 1.5)
-            );
-        }
-    }
-    for ci in &be.captures()[captures_shown..] {
+        let ratio = t / fl.us();
         println!(
-            "graph {}: {} kernel nodes (captured in {:.1} ms)",
-            ci.variant, ci.nodes, ci.ms
+            "| {r} | {} | {t:.1} | {} | {:.1} | {:.1} | {ratio:.2}x | {:.2}x | {} | {:.2}x | {:.2}x |",
+            kind.name(),
+            m.experts,
+            mb(fl.bytes()),
+            fl.us(),
+            t48 / (b48 / BW * 1e6),
+            verdict(ratio <= 1.3),
+            r as f64 * t1 / t,
+            r as f64 * t1_48 / t48
         );
     }
-    drop(be);
-    if drafter_t {
-        drafter_table(&body, &mx, pos, iters, all_nodes)?;
+    let (t1, t1_48) = times[&1];
+    for r in [12u32, 16] {
+        let (t, t48) = times[&r];
+        let (sp, sp48) = (12.0 * t1 / t, 12.0 * t1_48 / t48);
+        println!(
+            "round keeping 12 tokens in the {r}-row window: 12 x {t1:.1} us / {t:.1} us = {sp:.2}x faster than plain decoding (48-layer est. {sp48:.2}x): {} (target >= 1.5x)",
+            verdict(sp >= 1.5)
+        );
     }
     Ok(())
 }
