@@ -1167,10 +1167,10 @@ fn profile_tables(
     {
         let sum: f64 = r.nodes_us.iter().sum();
         println!(
-        "\n{}: kernels by time (CudaBackend::bench per-node times, summed over nodes; replay {:.1} us)",
-        kind.name(),
-        r.median_us
-    );
+            "\n{}: kernels by time (CudaBackend::bench per-node times, summed over nodes; replay {:.1} us)",
+            kind.name(),
+            r.median_us
+        );
         println!("| kernel | us | share of node time |");
         println!("|---|---|---|");
         for (k, t) in &r.kernels_us {

@@ -71,6 +71,9 @@ mod tests {
         use std::os::unix::ffi::OsStringExt;
         let v = OsString::from_vec(vec![b'1', 0xff]);
         let e = parse_switch("FLASHPLAN_GPU", Some(v)).unwrap_err();
-        assert_eq!(e.name, "FLASHPLAN_GPU");
+        assert_eq!(
+            (e.name.as_str(), e.value.as_str()),
+            ("FLASHPLAN_GPU", "1\u{FFFD}")
+        );
     }
 }

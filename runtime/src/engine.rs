@@ -71,15 +71,16 @@ impl EngineOptions {
         if let Some(on) = copy {
             self.copy_drafts = on;
         }
-        if let Ok(v) = std::env::var("FLASHPLAN_MTP_WEIGHTS") {
-            self.drafter_form = match v.as_str() {
-                "checkpoint" => DrafterForm::Checkpoint,
-                "mxfp8" => DrafterForm::Mxfp8,
-                "mxfp8-head" => DrafterForm::Mxfp8Head,
+        // A value that is not UTF-8 is refused like any other unknown one (not taken as unset).
+        if let Some(v) = std::env::var_os("FLASHPLAN_MTP_WEIGHTS") {
+            self.drafter_form = match v.to_str() {
+                Some("checkpoint") => DrafterForm::Checkpoint,
+                Some("mxfp8") => DrafterForm::Mxfp8,
+                Some("mxfp8-head") => DrafterForm::Mxfp8Head,
                 _ => {
                     return Err(EnvError {
                         name: "FLASHPLAN_MTP_WEIGHTS",
-                        value: v,
+                        value: v.to_string_lossy().into_owned(),
                         expected: "checkpoint, mxfp8, mxfp8-head",
                     })
                 }
