@@ -11,7 +11,8 @@
 #      (the tree plus what travels must stay under the device copy limit: two builds at a time fit.) NAME:MODE runs
 #      build NAME with FLASHPLAN_AB=MODE, for a temporary switch in the code that picks between variants of one
 #      build (read it with std::env::var("FLASHPLAN_AB") and remove it before the commit); its outputs go to
-#      $OUT/NAME-MODE.PASS.txt.
+#      $OUT/NAME-MODE.PASS.txt. GPU_AB_ARGS adds gpu_bench arguments to every run (e.g. "--streams" for the
+#      stream-count table, "--windows" for the 12-row window); the lines printed are every variant row of the tables.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode="${1:-}"
@@ -49,13 +50,13 @@ run)
             [ "$arg" != "$name" ] && mode="${arg#*:}"
             tag="$name${mode:+-$mode}"
             if ! env ${mode:+"FLASHPLAN_AB=$mode"} FLASHPLAN_KERNEL_CACHE="/tmp/$name/kernels" "/tmp/$name/gpu-bench" \
-                --iters 100 --nodes >"$out/$tag.$pass.txt" 2>&1; then
+                --iters 100 --nodes ${GPU_AB_ARGS:-} >"$out/$tag.$pass.txt" 2>&1; then
                 echo "$tag failed:" >&2
                 tail -5 "$out/$tag.$pass.txt" >&2
                 exit 1
             fi
             echo "== $tag, pass $pass (variant | rows | time/replay us | sum of nodes us)"
-            grep -E '^\| lone-w' "$out/$tag.$pass.txt" | cut -d'|' -f2-5
+            grep -E '^\| (lone-w|[0-9]+ \| (lone|verify)-)' "$out/$tag.$pass.txt" | cut -d'|' -f2-5
         done
     done
     ;;
