@@ -1,6 +1,6 @@
 //! The Flash Next config, the op set, the round descriptor and the serialized plan format, shared by the compiler
 //! (which writes plans) and the runtime (which replays them), and the reading of on/off environment switches
-//! ([`env`]). The runtime depends on this crate, never on the
+//! ([`mod@env`]). The runtime depends on this crate, never on the
 //! compiler.
 #![warn(missing_docs)]
 

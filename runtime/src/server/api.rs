@@ -279,7 +279,7 @@ fn parse_prompt(m: &Map<String, Value>) -> Result<Prompt, ApiError> {
     }
 }
 
-/// The chat messages of a body's `messages` (text content only; roles from [`ROLES`]).
+/// The chat messages of a body's `messages` (text content only; roles from `ROLES`).
 ///
 /// # Errors
 /// 400 naming the message or field at fault.
