@@ -55,13 +55,7 @@ pub struct Loaded {
 /// # Errors
 /// Set but empty (it would mean the current directory): refused, naming the variable.
 pub fn folder_var(name: &str) -> anyhow::Result<Option<PathBuf>> {
-    match std::env::var_os(name) {
-        None => Ok(None),
-        Some(d) if d.is_empty() => {
-            anyhow::bail!("{name} is set but empty: expected a folder (unset it for the default)")
-        }
-        Some(d) => Ok(Some(PathBuf::from(d))),
-    }
+    flashplan_plan::env::folder(name).map_err(|e| anyhow::anyhow!("{e} (unset it for the default)"))
 }
 
 /// The plans cache directory: `$FLASHPLAN_CACHE`, else `~/.cache/flashplan/plans`.

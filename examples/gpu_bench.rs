@@ -1213,6 +1213,42 @@ struct Tables<'a> {
     floor_note: String,
 }
 
+/// One variant of the streams or windows table against its byte floor.
+struct FloorRow {
+    /// Replay time, us.
+    t: f64,
+    /// Distinct routed experts read, over the MoE layers.
+    experts: u64,
+    floor: Floor,
+    /// Time (us) and bytes extrapolated to 48 layers ([`est48`]).
+    t48: f64,
+    b48: f64,
+}
+
+impl Tables<'_> {
+    /// Times `kind` on descriptor `d` ([`measure`], cached) and sets it against its floor.
+    fn row(
+        &self,
+        be: &mut CudaBackend,
+        cache: &mut BTreeMap<VariantKind, Meas>,
+        kind: VariantKind,
+        d: &RoundDesc,
+    ) -> anyhow::Result<FloorRow> {
+        let m = measure(be, self.body, cache, kind, d, self.iters)?;
+        let t = m.r.median_us;
+        let floor = Floor::of(self.body, kind, m.experts, self.state_rw);
+        let (ht, hb) = head_split(self.body, kind, &m.r);
+        let (t48, b48) = est48(self.layers, t, ht, floor.bytes(), hb);
+        Ok(FloorRow {
+            t,
+            experts: m.experts,
+            floor,
+            t48,
+            b48,
+        })
+    }
+}
+
 /// Issue 6: plain decoding of 1..16 streams of one row against each round's byte floor, and the lone-stream slot
 /// against the one-stream shared variant timed in alternation.
 fn streams_table(
@@ -1221,12 +1257,10 @@ fn streams_table(
     cache: &mut BTreeMap<VariantKind, Meas>,
 ) -> anyhow::Result<()> {
     let Tables {
-        body,
         pos,
         iters,
-        layers,
-        state_rw,
         ref floor_note,
+        ..
     } = *run;
     println!(
         "\n**Streams (issue 6).** verify-sS-w1: S streams of one row, stream i on slot i at position {pos} with \
@@ -1247,18 +1281,19 @@ fn streams_table(
         .chain([lone])
     {
         let (s, _) = kind.shape();
-        let d = desc_streams(s, 1, pos, 1001);
-        let m = measure(be, body, cache, kind, &d, iters)?;
-        let t = m.r.median_us;
-        let fl = Floor::of(body, kind, m.experts, state_rw);
-        let (ht, hb) = head_split(body, kind, &m.r);
-        let (t48, b48) = est48(layers, t, ht, fl.bytes(), hb);
+        let FloorRow {
+            t,
+            experts,
+            floor: fl,
+            t48,
+            b48,
+        } = run.row(be, cache, kind, &desc_streams(s, 1, pos, 1001))?;
         let (ratio, r48) = (t / fl.us(), t48 / (b48 / BW * 1e6));
         println!(
             "| {s} | {} | {t:.1} | {:.0} | {} | {:.1} | {:.1} | {ratio:.2}x | {:.0} | {r48:.2}x | {} |",
             kind.name(),
             s as f64 / (t * 1e-6),
-            m.experts,
+            experts,
             mb(fl.bytes()),
             fl.us(),
             s as f64 / (t48 * 1e-6),
@@ -1316,12 +1351,10 @@ fn windows_table(
     cache: &mut BTreeMap<VariantKind, Meas>,
 ) -> anyhow::Result<()> {
     let Tables {
-        body,
         pos,
         iters,
-        layers,
-        state_rw,
         ref floor_note,
+        ..
     } = *run;
     println!(
         "\n**Windows (issue 5).** lone-wR: one stream, R rows at position {pos}, distinct tokens; median of \
@@ -1333,19 +1366,20 @@ fn windows_table(
     let mut times = BTreeMap::new();
     for &r in &WINDOWS {
         let kind = VariantKind::Lone { window: r };
-        let d = desc_streams(1, r, pos, 1000 + r as u64);
-        let m = measure(be, body, cache, kind, &d, iters)?;
-        let t = m.r.median_us;
-        let fl = Floor::of(body, kind, m.experts, state_rw);
-        let (ht, hb) = head_split(body, kind, &m.r);
-        let (t48, b48) = est48(layers, t, ht, fl.bytes(), hb);
+        let FloorRow {
+            t,
+            experts,
+            floor: fl,
+            t48,
+            b48,
+        } = run.row(be, cache, kind, &desc_streams(1, r, pos, 1000 + r as u64))?;
         times.insert(r, (t, t48));
         let (t1, t1_48) = times[&1];
         let ratio = t / fl.us();
         println!(
             "| {r} | {} | {t:.1} | {} | {:.1} | {:.1} | {ratio:.2}x | {:.2}x | {} | {:.2}x | {:.2}x |",
             kind.name(),
-            m.experts,
+            experts,
             mb(fl.bytes()),
             fl.us(),
             t48 / (b48 / BW * 1e6),

@@ -93,10 +93,7 @@ fn module_hash(name: &str, src: &str) -> String {
 /// # Errors
 /// [`NvrtcError::EmptyCache`] when set but empty (it would mean the current directory).
 fn cache_dir() -> Result<Option<std::path::PathBuf>, NvrtcError> {
-    match std::env::var_os("FLASHPLAN_KERNEL_CACHE") {
-        Some(d) if d.is_empty() => Err(NvrtcError::EmptyCache),
-        d => Ok(d.map(std::path::PathBuf::from)),
-    }
+    flashplan_plan::env::folder("FLASHPLAN_KERNEL_CACHE").map_err(|_| NvrtcError::EmptyCache)
 }
 
 /// A module's cubin in the cache folder `dir`: named by the module, its hash and the arch.

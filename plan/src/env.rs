@@ -1,6 +1,9 @@
-//! On/off switches from the environment: `1` or `0`, anything else refused by name. One reading for every
-//! `FLASHPLAN_*` switch (the CUDA backend's `FLASHPLAN_PDL`, `FLASHPLAN_FUSE_LINEAR`, `FLASHPLAN_FUSE_SMALL`, the
-//! engine's `FLASHPLAN_COPY_DRAFTS`, the test switches), so that a misspelt `true` or `on` never passes for off.
+//! Environment variables read the same way everywhere. On/off switches: `1` or `0`, anything else refused by name
+//! (the CUDA backend's `FLASHPLAN_PDL`, `FLASHPLAN_FUSE_LINEAR`, `FLASHPLAN_FUSE_SMALL`, the engine's
+//! `FLASHPLAN_COPY_DRAFTS`, the test switches), so that a misspelt `true` or `on` never passes for off. Folders
+//! (`FLASHPLAN_CACHE`, `FLASHPLAN_KERNEL_CACHE`): set but empty is refused, since it would mean the current directory.
+
+use std::path::PathBuf;
 
 /// A switch's value that is neither `1` nor `0` (or not valid UTF-8).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -41,6 +44,38 @@ pub fn parse_switch(
     }
 }
 
+/// A folder variable that is set but empty.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{name} is set but empty: expected a folder")]
+pub struct EmptyFolder {
+    /// The variable's name.
+    pub name: String,
+}
+
+/// The folder named by the variable `name`: `None` when unset.
+///
+/// # Errors
+/// [`EmptyFolder`] when it is set but empty (it would mean the current directory).
+pub fn folder(name: &str) -> Result<Option<PathBuf>, EmptyFolder> {
+    parse_folder(name, std::env::var_os(name))
+}
+
+/// [`folder`] on a value already read (`None`: unset).
+///
+/// # Errors
+/// As [`folder`].
+pub fn parse_folder(
+    name: &str,
+    value: Option<std::ffi::OsString>,
+) -> Result<Option<PathBuf>, EmptyFolder> {
+    match value {
+        Some(d) if d.is_empty() => Err(EmptyFolder {
+            name: name.to_string(),
+        }),
+        d => Ok(d.map(PathBuf::from)),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -63,6 +98,21 @@ mod tests {
                 format!("FLASHPLAN_PDL={v:?} is not understood: expected 1 or 0")
             );
         }
+    }
+
+    #[test]
+    fn a_folder_is_its_value_and_an_empty_one_is_refused() {
+        assert_eq!(parse_folder("FLASHPLAN_CACHE", None), Ok(None));
+        assert_eq!(
+            parse_folder("FLASHPLAN_CACHE", Some("/tmp/p".into())),
+            Ok(Some(PathBuf::from("/tmp/p")))
+        );
+        assert_eq!(
+            parse_folder("FLASHPLAN_CACHE", Some("".into())),
+            Err(EmptyFolder {
+                name: "FLASHPLAN_CACHE".into()
+            })
+        );
     }
 
     #[cfg(unix)]

@@ -412,19 +412,10 @@ pub fn parse_gen(m: &Map<String, Value>, chat: bool) -> Result<GenParams, ApiErr
         };
         return Err(ApiError::invalid(Some(param), e.to_string()));
     }
-    // Any 64-bit seed, as OpenAI takes: a negative one keys the sampler by its two's-complement bits.
-    let seed = match int(m, "seed")? {
-        None => None,
-        Some(s) if (i128::from(i64::MIN)..=i128::from(u64::MAX)).contains(&s) => {
-            Some(if s < 0 { s as i64 as u64 } else { s as u64 })
-        }
-        Some(s) => {
-            return Err(ApiError::invalid(
-                Some("seed"),
-                format!("`seed` must be a 64-bit integer, got {s}"),
-            ))
-        }
-    };
+    // Any 64-bit seed, as OpenAI takes (`int` gives only i64 or u64 values; beyond them a number is not an integer
+    // to serde_json and is refused there): a negative one keys the sampler by its two's-complement bits, which is
+    // what the cast keeps.
+    let seed = int(m, "seed")?.map(|s| s as u64);
     let stop = match present(m, "stop") {
         None => vec![],
         Some(Value::String(s)) => vec![s.clone()],
