@@ -27,6 +27,32 @@ DEV void pdl_start() {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
+// Grid barrier of a launch whose blocks are all on the GPU at once (the launch checks that its grid fits; a block
+// waiting here for one that cannot start would wait forever), on a u32 counter in device memory: every block adds
+// 1 but block 0, which adds 2^31 - (blocks - 1), so the adds sum to 2^31 and bit 31 of the counter flips exactly when
+// the last block arrives; each block waits for the flip from the value its own add saw. The counter needs no reset
+// (its low bits are 0 again after every launch) and serves any grid size. Thread 0 orders the block's writes before
+// its add and the other blocks' writes before the block's reads with `__threadfence()` on both sides (the pattern of
+// cooperative groups' grid sync).
+DEV u32 ld_acquire_gpu(const u32* p) {
+    u32 v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+DEV void grid_barrier(u32* counter) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const u32 blocks = gridDim.x * gridDim.y * gridDim.z;
+        const bool first = blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0;
+        __threadfence();
+        const u32 old = atomicAdd(counter, first ? 0x80000000u - (blocks - 1) : 1u);
+        while (((old ^ ld_acquire_gpu(counter)) & 0x80000000u) == 0) {
+        }
+        __threadfence();
+    }
+    __syncthreads();
+}
+
 DEV float bf2f(bf16_t h) { return __uint_as_float(((u32)h) << 16); }
 DEV float bfw(const u64 w, u64 i) { return bf2f(((const bf16_t*)w)[i]); }
 
@@ -196,6 +222,22 @@ DEV uint4 ldg_stream16_l2pf(const void* p) {
     asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
         : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
         : "l"(p));
+    return r;
+}
+// ldg_stream16 and ldg_stream16_l2pf as volatile asm: issued where they stand in the program, not moved past a
+// later wait (griddepcontrol.wait, a grid barrier) to their first use, as the compiler may move the plain forms.
+DEV uint4 ldg_stream16_now(const void* p) {
+    uint4 r;
+    asm volatile("ld.global.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+    return r;
+}
+DEV uint4 ldg_stream16_l2pf_now(const void* p) {
+    uint4 r;
+    asm volatile("ld.global.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
     return r;
 }
 DEV uint4 zero4() {

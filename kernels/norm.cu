@@ -296,9 +296,9 @@ extern "C" __global__ void hc_mix_split(const FpHcRead p) {
 
 // hc_mix_tc_t1 .. _t16: the gates and the mix, S = p.split slices of K (runtime/src/cuda/launch/hc.rs
 // `hc_mix_slices`).
-template <int T>
-DEV void hc_mix_tc_entry(const FpHcRead& p) {
-    const u32 nrows = hc_rows(p), W = p.dim * p.hc;
+// The gates' linear (K = rank, N = C*D gates, x = lo in the scratch after Hn) as hc_mix_tc and hc_read_one see it.
+DEV FpLinear hc_mix_linear(const FpHcRead& p, u32 nrows) {
+    const u32 W = p.dim * p.hc;
     FpLinear a;
     a.c = p.c;
     a.x = p.c.scratch + (u64)nrows * W * 4;
@@ -310,8 +310,13 @@ DEV void hc_mix_tc_entry(const FpHcRead& p) {
     a.accumulate = 0;
     a.gathered = p.gathered;
     a.split = p.split;
-    const HcMixStore store{fptr(p.c.scratch), W, p.dim, p.hc};
-    linear_tc_rows<T, 4>(a, nrows, blockIdx.x, gridDim.x, hc_mix_xsplit(p, nrows), store);
+    return a;
+}
+template <int T>
+DEV void hc_mix_tc_entry(const FpHcRead& p) {
+    const u32 nrows = hc_rows(p);
+    const HcMixStore store{fptr(p.c.scratch), p.dim * p.hc, p.dim, p.hc};
+    linear_tc_rows<T, 4>(hc_mix_linear(p, nrows), nrows, blockIdx.x, gridDim.x, hc_mix_xsplit(p, nrows), store);
 }
 extern "C" __global__ void __launch_bounds__(256, 3) hc_mix_tc_t1(const FpHcRead p) {
     pdl_start();
@@ -324,3 +329,172 @@ extern "C" __global__ void __launch_bounds__(256, 3) hc_mix_tc_t2(const FpHcRead
 extern "C" __global__ void hc_mix_tc_t4(const FpHcRead p) { pdl_start(); hc_mix_tc_entry<4>(p); }
 extern "C" __global__ void hc_mix_tc_t8(const FpHcRead p) { pdl_start(); hc_mix_tc_entry<8>(p); }
 extern "C" __global__ void hc_mix_tc_t16(const FpHcRead p) { pdl_start(); hc_mix_tc_entry<16>(p); }
+
+// ---- hc_read_one_t1 / _t2 / _t4: the read of up to four rows after their norm in one launch (`FLASHPLAN_FUSE_SMALL`)
+// hc_read_t1's (_t2's, _t4's) blocks (the down and inject dots, 2 outputs a block, K over 8 slices) and
+// hc_mix_tc_t1's (_t2's, _t4's) blocks (the gates on tensor cores and the mix) as the two phases of one grid, joined
+// by a grid barrier (common.cuh `grid_barrier`): one launch instead of two (three from two rows on, with
+// hc_mix_split; 3 rows run as _t4 with its fourth row left out, as hc_read_t4 and hc_mix_tc_t4 do), and every
+// weight a block reads is loaded before it waits: the down's before the wait on the previous kernel (they do not
+// depend on it), the gates' before the barrier. The arithmetic is that of the launches it replaces: the same chunks
+// summed in the same order (warp_dots_rows' vector path, its one batch of HC_ONE_U chunks), lo split into the same
+// BF16 terms (tc_split_x, which linear_split_rows also uses) into shared memory, the same MMAs on the same registers
+// (tc_batch_mmas of the one partial batch, as tc_steps_split runs it when a slice has fewer than 4 steps), the same
+// epilogue. The launch (runtime/src/cuda/launch/hc.rs `hc_read_one_grid`) is used only where that holds and the
+// whole grid fits on the GPU at once (3 blocks an SM), as the barrier needs; dependents may launch only after the
+// barrier, so none of their blocks can hold a slot that one of this grid's blocks still waits for.
+#define HC_ONE_U 5
+#define HC_ONE_STEPS 16
+template <int T>
+DEV void hc_read_one(const FpHcRead& p) {
+    const FpCommon& c = p.c;
+    const u32 nrows = hc_rows(p), W = p.dim * p.hc;
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 nout = p.rank + (p.inject ? p.hc : 0);
+    // Phase 1's weights: outputs q0, q0 + 1, the warp's slice of K, the one batch of warp_dots_rows' vector path
+    // (W % 8 == 0 and every address 16-byte aligned; else phase 1 runs slice_dots as hc_read_t does).
+    const bool vec = (W & 7) == 0 && ((p.down | p.inject | c.scratch) & 15) == 0;
+    const u32 q0 = blockIdx.x * 2;
+    const u32 nm = q0 < nout ? (nout - q0 < 2 ? nout - q0 : 2) : 0;
+    const bf16_t* w[2];
+#pragma unroll
+    for (int m = 0; m < 2; m++) {
+        const u32 q = (u32)m < nm ? q0 + m : q0;
+        w[m] = q < p.rank ? (const bf16_t*)p.down + (u64)q * W : (const bf16_t*)p.inject + (u64)(q - p.rank) * W;
+    }
+    u32 ka, kb;
+    slice_bounds(W, SPLIT_WARPS, warp, ka, kb);
+    const u32 K = kb - ka;
+    uint4 wv[HC_ONE_U][2];
+#pragma unroll
+    for (int u = 0; u < HC_ONE_U; u++)
+#pragma unroll
+        for (int m = 0; m < 2; m++) {
+            const u32 kk = lane * 8 + u * 256;
+            wv[u][m] = (vec && (u32)m < nm && kk < K) ? ldg_stream16_now(w[m] + ka + kk) : zero4();
+        }
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+
+    // Phase 1 (hc_read_t): lo = silu(down Hn / C), inj = 2 sigmoid(inject Hn / C).
+    bool ok[T], any = false;
+#pragma unroll
+    for (int t = 0; t < T; t++) {
+        ok[t] = (u32)t < nrows && row_ok(c, t, p.gathered);
+        any = any || ok[t];
+    }
+    const float* hn = fptr(c.scratch);
+    float* lo = fptr(c.scratch) + (u64)nrows * W;
+    __shared__ float part1[SPLIT_WARPS][2][T];
+    if (nm > 0) {
+        if (vec) {
+            float acc[2][T];
+#pragma unroll
+            for (int m = 0; m < 2; m++)
+#pragma unroll
+                for (int t = 0; t < T; t++) acc[m][t] = 0.0f;
+#pragma unroll
+            for (int u = 0; u < HC_ONE_U; u++) {
+                const u32 kk = lane * 8 + u * 256;
+                if (kk < K) {
+                    float f[2][8];
+#pragma unroll
+                    for (int m = 0; m < 2; m++) unpack8(wv[u][m], f[m]);
+#pragma unroll
+                    for (int t = 0; t < T; t++) {
+                        if (!ok[t]) continue;
+                        float x[8];
+                        load_x8(hn + (u64)t * W + ka + kk, true, x);
+#pragma unroll
+                        for (int m = 0; m < 2; m++) acc[m][t] += dot8(f[m], x);
+                    }
+                }
+            }
+#pragma unroll
+            for (int m = 0; m < 2; m++)
+#pragma unroll
+                for (int t = 0; t < T; t++) {
+                    const float r = warp_sum(acc[m][t]);
+                    if (lane == 0) part1[warp][m][t] = r;
+                }
+        } else {
+            slice_dots<T, 2, 8>(w, nm, hn, W, ok, W, SPLIT_WARPS, false, lane, warp, part1);
+        }
+        __syncthreads();
+        if (threadIdx.x < 2 * T) {
+            const u32 m = threadIdx.x / T, t = threadIdx.x % T, q = q0 + m;
+            if (m < nm && ok[t]) {
+                const float v = slice_sum<T, 2>(part1, 0, SPLIT_WARPS, m, t);
+                if (q < p.rank)
+                    lo[(u64)t * p.rank + q] = siluf_(v / (float)p.hc);
+                else
+                    fptr(p.inj)[(u64)t * p.hc + (q - p.rank)] = 2.0f * sigmoidf_(v / (float)p.hc);
+            }
+        }
+    }
+
+    // Phase 2's weights (hc_mix_tc's block blockIdx.x: m-tile group grp, slice sl of at most 3 steps), in flight
+    // across the barrier.
+    const FpLinear a = hc_mix_linear(p, nrows);
+    const u32 g = lane >> 2, q = lane & 3;
+    const u32 S = a.split == 0 ? 1 : a.split;
+    const u32 G = SPLIT_WARPS / S, grp = warp / S, sl = warp % S;
+    const u32 steps = (a.k + 31) / 32, per = (steps + S - 1) / S, tiles = (a.n + 15) / 16;
+    const u32 s0 = sl * per < steps ? sl * per : steps;
+    const u32 s1 = s0 + per < steps ? s0 + per : steps;
+    const u32 nb0 = blockIdx.x * G * 16;
+    const bool gates = nb0 < a.n && any;
+    const u32 mt = (nb0 + grp * 16) / 16 < tiles ? (nb0 + grp * 16) / 16 : 0;
+    const uint4* wt = (const uint4*)a.w + ((u64)mt * steps + s0) * TC_TILE_U4 + lane;
+    const u32 left = s1 - s0;
+    uint4 w0[3], w1[3];
+#pragma unroll
+    for (int u = 0; u < 3; u++) {
+        const bool in = gates && (u32)u < left;
+        w0[u] = in ? ldg_stream16_l2pf_now(wt + u * TC_TILE_U4) : zero4();
+        w1[u] = in ? ldg_stream16_l2pf_now(wt + u * TC_TILE_U4 + 32) : zero4();
+    }
+    grid_barrier((u32*)p.barrier);
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+
+    // Phase 2 (hc_mix_tc): lo's rows split into shared memory (a row that is not real: zeros, as linear_split_rows
+    // leaves it), the slice's MMAs (column g takes row g; columns from T on take row 0 and are never written), the
+    // slices summed and the mix (HcMixStore).
+    if (!gates) return;
+    __shared__ uint4 xs[T * HC_ONE_STEPS * 12];
+    __shared__ float part[SPLIT_WARPS][16][T];
+    const float* Xl = fptr(a.x);
+    const bool xvec = ((u64)Xl & 15) == 0 && (a.k & 3) == 0;
+    for (u32 j = threadIdx.x; j < T * steps * 4; j += blockDim.x) {
+        const u32 t = j / (steps * 4), js = j % (steps * 4);
+        float x[8];
+        if (ok[t]) {
+            load_x8_k(Xl + (u64)t * a.k, (js / 4) * 32 + (js % 4) * 8, a.k, xvec, x);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; e++) x[e] = 0.0f;
+        }
+        uint4 xt[3];
+        tc_split_x(x, xt);
+#pragma unroll
+        for (int e = 0; e < 3; e++) xs[j * 3 + e] = xt[e];
+    }
+    __syncthreads();
+    float acc[1][3][4];
+#pragma unroll
+    for (int e = 0; e < 3; e++)
+#pragma unroll
+        for (int r = 0; r < 4; r++) acc[0][e][r] = 0.0f;
+    const uint4* const xb[1] = {xs + (((g < (u32)T ? g : 0) * steps + s0) * 4 + q) * 3};
+    tc_batch_mmas<3, 1, true>(acc, w0, w1, xb, left);
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        const u32 f = g + (r >= 2 ? 8 : 0), t = 2 * q + (r & 1);
+        if (t < (u32)T) part[warp][f][t] = (acc[0][0][r] + acc[0][1][r]) + acc[0][2][r];
+    }
+    __syncthreads();
+    const HcMixStore store{hn, W, p.dim, p.hc};
+    store(a, part, nb0, 0, G, S, nrows);
+}
+extern "C" __global__ void __launch_bounds__(256, 3) hc_read_one_t1(const FpHcRead p) { hc_read_one<1>(p); }
+extern "C" __global__ void __launch_bounds__(256, 3) hc_read_one_t2(const FpHcRead p) { hc_read_one<2>(p); }
+extern "C" __global__ void __launch_bounds__(256, 3) hc_read_one_t4(const FpHcRead p) { hc_read_one<4>(p); }

@@ -159,6 +159,7 @@ typedef struct FpHcRead {
     u32 gathered;
     float eps;
     u32 split; /* slices of K (rank) of hc_mix_tc: runtime/src/cuda/launch/hc.rs `hc_mix_slices(hc * dim)` */
+    u64 barrier; /* hc_read_one only: the node's u32 counter in device memory (its grid barrier); else 0 */
 } FpHcRead;
 
 typedef struct FpHcWrite {

@@ -48,7 +48,8 @@ pub(crate) struct Addrs<'a> {
     pub rope: u64,
     pub rope_cfg: &'a Rope,
     /// This variant's node counters: one u32 per node of the variant (node i at `counters + 4 i`), zeroed at
-    /// allocation; a kernel that uses its node's counter leaves it 0 at the end of every launch (graph replays).
+    /// allocation; a kernel that uses its node's counter leaves it as it found it for the next launch (graph
+    /// replays): the router's count back at 0, the grid barrier of `hc_read_one_t*` with its low 31 bits at 0.
     pub counters: u64,
     /// Fewer launches for the small ops (`FLASHPLAN_FUSE_SMALL`): the router in one launch up to
     /// `ROUTER_ONE_LAUNCH_ROWS` rows (its last block does the top-k). Same bits either way.
@@ -312,7 +313,7 @@ fn node_spec(a: &Addrs, v: &Variant, node: usize, op: &Op) -> Result<LaunchSpec,
         | Op::RmsNorm { .. }
         | Op::AddBroadcast { .. } => rows::spec(a, v, op),
         Op::Linear { .. } => linear::spec(a, v, op),
-        Op::HcRead { .. } => hc_read_spec(a, v, op, true),
+        Op::HcRead { .. } => hc_read_spec(a, v, node, op, true),
         Op::HcWrite { .. } => hc_write_spec(a, v, op, None),
         Op::PleEmbed { .. } | Op::PleMix { .. } | Op::PleCommit { .. } => ple::spec(a, v, op),
         Op::GdnConv { .. } | Op::GdnRecur { .. } | Op::GdnCommit { .. } | Op::GatedNorm { .. } => {
