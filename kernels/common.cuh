@@ -224,8 +224,9 @@ DEV uint4 ldg_stream16_l2pf(const void* p) {
         : "l"(p));
     return r;
 }
-// ldg_stream16 and ldg_stream16_l2pf as volatile asm: issued where they stand in the program, not moved past a
-// later wait (griddepcontrol.wait, a grid barrier) to their first use, as the compiler may move the plain forms.
+// 16-byte streaming loads issued where they stand in the program: volatile asm, and without .nc (ptxas moved the
+// non-coherent loads of ldg_stream16 past griddepcontrol.wait to their first use, even as volatile asm), so they
+// stay before a later wait (griddepcontrol.wait, a grid barrier). The same bytes as ldg_stream16 / _l2pf.
 DEV uint4 ldg_stream16_now(const void* p) {
     uint4 r;
     asm volatile("ld.global.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"

@@ -91,6 +91,22 @@ DEV void tc_step(float (&acc)[3][4], const uint4& w0, const uint4& w1, const flo
     tc_step_split(acc, w0, w1, xt);
 }
 
+// The chunk of 8 at kk of a row of K (zeros where the row is not real: `real` false) into its three BF16 terms
+// (tc_split_x) at dst[0..3): the form linear_split_rows leaves and hc_read_one keeps in shared memory.
+DEV void split_chunk(const float* row, u32 kk, u32 K, bool xvec, bool real, uint4* dst) {
+    float x[8];
+    if (real) {
+        load_x8_k(row, kk, K, xvec, x);
+    } else {
+#pragma unroll
+        for (int e = 0; e < 8; e++) x[e] = 0.0f;
+    }
+    uint4 xt[3];
+    tc_split_x(x, xt);
+#pragma unroll
+    for (int e = 0; e < 3; e++) dst[e] = xt[e];
+}
+
 // The three BF16 terms of every row of x [total, k] in MMA B-fragment form, for the linears of two rows or more
 // (T >= 2), into `out` (in the node's own scratch; runtime/src/cuda/launch/mod.rs `scratch_elems`): uint4 entry
 // ((i * steps + step) * 4 + q) * 3 + e is term e of `tc_split_x` of x[i, 32 step + 8 q .. + 7] (zeros past k, and
@@ -102,17 +118,7 @@ DEV void linear_split_rows(const FpCommon& c, u64 x, u32 k, u32 total, u32 sub, 
     const bool xvec = ((u64)X & 15) == 0 && (k & 3) == 0;
     for (u32 j = blockIdx.x * blockDim.x + threadIdx.x; j < total * per_row; j += gridDim.x * blockDim.x) {
         const u32 i = j / per_row, sq = j % per_row;
-        float xv[8];
-        if (row_ok(c, i / sub, gathered)) {
-            load_x8_k(X + (u64)i * k, sq * 8, k, xvec, xv);
-        } else {
-#pragma unroll
-            for (int e = 0; e < 8; e++) xv[e] = 0.0f;
-        }
-        uint4 xt[3];
-        tc_split_x(xv, xt);
-#pragma unroll
-        for (int e = 0; e < 3; e++) out[(u64)j * 3 + e] = xt[e];
+        split_chunk(X + (u64)i * k, sq * 8, k, xvec, row_ok(c, i / sub, gathered), out + (u64)j * 3);
     }
 }
 

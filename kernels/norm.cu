@@ -87,7 +87,8 @@ extern "C" __global__ void gated_norm(const FpGatedNorm p) {
     }
 }
 
-// Hyper-connection read in three or four launches (one node). Hn = grouped RMSNorm(H, hc_norm) (groups of dim);
+// Hyper-connection read in three or four launches (one node), or with `FLASHPLAN_FUSE_SMALL` up to 4 rows in one or
+// two (hc_norm if no hc_write_norm came before, then hc_read_one_t*, at the end of this file). Hn = grouped RMSNorm(H, hc_norm) (groups of dim);
 // lo = silu(W_down Hn / C), inj[c] = 2 sigmoid(W_inj[c] . Hn / C), a[d] = mean_c sigmoid(W_up lo)[c*D+d] * Hn[c*D+d].
 // - hc_norm: block per (row, hyper-connection): Hn into scratch [rows, C*D];
 // - hc_read: split-K block dots (common.cuh `slice_dots`) of NPW outputs of [W_down; W_inj] per block over Hn,
@@ -330,20 +331,23 @@ extern "C" __global__ void hc_mix_tc_t4(const FpHcRead p) { pdl_start(); hc_mix_
 extern "C" __global__ void hc_mix_tc_t8(const FpHcRead p) { pdl_start(); hc_mix_tc_entry<8>(p); }
 extern "C" __global__ void hc_mix_tc_t16(const FpHcRead p) { pdl_start(); hc_mix_tc_entry<16>(p); }
 
-// ---- hc_read_one_t1 / _t2 / _t4: the read of up to four rows after their norm in one launch (`FLASHPLAN_FUSE_SMALL`)
-// hc_read_t1's (_t2's, _t4's) blocks (the down and inject dots, 2 outputs a block, K over 8 slices) and
-// hc_mix_tc_t1's (_t2's, _t4's) blocks (the gates on tensor cores and the mix) as the two phases of one grid, joined
-// by a grid barrier (common.cuh `grid_barrier`): one launch instead of two (three from two rows on, with
-// hc_mix_split; 3 rows run as _t4 with its fourth row left out, as hc_read_t4 and hc_mix_tc_t4 do), and every
-// weight a block reads is loaded before it waits: the down's before the wait on the previous kernel (they do not
-// depend on it), the gates' before the barrier. The arithmetic is that of the launches it replaces: the same chunks
-// summed in the same order (warp_dots_rows' vector path, its one batch of HC_ONE_U chunks), lo split into the same
-// BF16 terms (tc_split_x, which linear_split_rows also uses) into shared memory, the same MMAs on the same registers
+// ---- hc_read_one_t1 / _t2 / _t4: the read of up to 4 rows after their norm in one launch (`FLASHPLAN_FUSE_SMALL`) ----
+// hc_read_t*'s blocks (the down and inject dots, 2 outputs a block, K over 8 slices) and hc_mix_tc_t*'s blocks (the
+// gates on tensor cores and the mix) as the two phases of one grid, joined by a grid barrier (common.cuh
+// `grid_barrier`): one launch instead of two (three from two rows on, with hc_mix_split), and the weights loaded
+// early: the down's before the wait on the previous kernel (they do not depend on it; not in the scalar fallback),
+// the gates' before the barrier. The arithmetic is that of the launches it replaces: the same chunks summed in the
+// same order (warp_dots_rows' vector path, its one batch of HC_ONE_U chunks), lo split into the same BF16 terms
+// (tc_split_x, which linear_split_rows also uses) into shared memory, the same MMAs on the same registers
 // (tc_batch_mmas of the one partial batch, as tc_steps_split runs it when a slice has fewer than 4 steps), the same
-// epilogue. The launch (runtime/src/cuda/launch/hc.rs `hc_read_one_grid`) is used only where that holds and the
-// whole grid fits on the GPU at once (3 blocks an SM), as the barrier needs; dependents may launch only after the
-// barrier, so none of their blocks can hold a slot that one of this grid's blocks still waits for.
+// epilogue. Three rows run as _t4 with its last row left out, as hc_read_t4 and hc_mix_tc_t4 do. The launch
+// (runtime/src/cuda/launch/hc.rs `hc_read_one_grid`) is used only where that holds and the whole grid is on the GPU
+// at once (the kernel's occupancy, queried at start, times the SMs), as the barrier needs; dependents may launch
+// only after the barrier, so none of their blocks can hold a slot that one of this grid's blocks still waits for.
+// Beyond 4 rows the separate launches stay: a 16-row version (2 outputs a block, rows in tiles of 4) re-read Hn so
+// often that it was slower (H200: lone-w16 2585 -> 2674 us).
 #define HC_ONE_U 5
+// Steps of 32 of the rank whose terms a row keeps in shared memory.
 #define HC_ONE_STEPS 16
 template <int T>
 DEV void hc_read_one(const FpHcRead& p) {
@@ -352,8 +356,10 @@ DEV void hc_read_one(const FpHcRead& p) {
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 nout = p.rank + (p.inject ? p.hc : 0);
     // Phase 1's weights: outputs q0, q0 + 1, the warp's slice of K, the one batch of warp_dots_rows' vector path
-    // (W % 8 == 0 and every address 16-byte aligned; else phase 1 runs slice_dots as hc_read_t does).
-    const bool vec = (W & 7) == 0 && ((p.down | p.inject | c.scratch) & 15) == 0;
+    // (W % 8 == 0 and every address 16-byte aligned; else phase 1 runs slice_dots, as hc_read_t does, with no
+    // weights loaded before the wait).
+    const bool wvec = (W & 7) == 0 && (p.down & 15) == 0 && (p.inject & 15) == 0;  // as hc_read_t's
+    const bool vec = wvec && (c.scratch & 15) == 0;
     const u32 q0 = blockIdx.x * 2;
     const u32 nm = q0 < nout ? (nout - q0 < 2 ? nout - q0 : 2) : 0;
     const bf16_t* w[2];
@@ -376,11 +382,13 @@ DEV void hc_read_one(const FpHcRead& p) {
     asm volatile("griddepcontrol.wait;" ::: "memory");
 
     // Phase 1 (hc_read_t): lo = silu(down Hn / C), inj = 2 sigmoid(inject Hn / C).
-    bool ok[T], any = false;
+    // The real rows, found once: ok[] for the unrolled loops, the bit mask `real` where the row is a computed index.
+    bool ok[T];
+    u32 real = 0;
 #pragma unroll
     for (int t = 0; t < T; t++) {
         ok[t] = (u32)t < nrows && row_ok(c, t, p.gathered);
-        any = any || ok[t];
+        real |= (u32)ok[t] << t;
     }
     const float* hn = fptr(c.scratch);
     float* lo = fptr(c.scratch) + (u64)nrows * W;
@@ -417,12 +425,13 @@ DEV void hc_read_one(const FpHcRead& p) {
                     if (lane == 0) part1[warp][m][t] = r;
                 }
         } else {
-            slice_dots<T, 2, 8>(w, nm, hn, W, ok, W, SPLIT_WARPS, false, lane, warp, part1);
+            // One chunk in flight (U = 1): the same sums for any U, and no registers taken from the fast path.
+            slice_dots<T, 2, 1>(w, nm, hn, W, ok, W, SPLIT_WARPS, wvec, lane, warp, part1);
         }
         __syncthreads();
         if (threadIdx.x < 2 * T) {
             const u32 m = threadIdx.x / T, t = threadIdx.x % T, q = q0 + m;
-            if (m < nm && ok[t]) {
+            if (m < nm && ((real >> t) & 1)) {
                 const float v = slice_sum<T, 2>(part1, 0, SPLIT_WARPS, m, t);
                 if (q < p.rank)
                     lo[(u64)t * p.rank + q] = siluf_(v / (float)p.hc);
@@ -442,7 +451,7 @@ DEV void hc_read_one(const FpHcRead& p) {
     const u32 s0 = sl * per < steps ? sl * per : steps;
     const u32 s1 = s0 + per < steps ? s0 + per : steps;
     const u32 nb0 = blockIdx.x * G * 16;
-    const bool gates = nb0 < a.n && any;
+    const bool gates = nb0 < a.n && real != 0;
     const u32 mt = (nb0 + grp * 16) / 16 < tiles ? (nb0 + grp * 16) / 16 : 0;
     const uint4* wt = (const uint4*)a.w + ((u64)mt * steps + s0) * TC_TILE_U4 + lane;
     const u32 left = s1 - s0;
@@ -456,9 +465,10 @@ DEV void hc_read_one(const FpHcRead& p) {
     grid_barrier((u32*)p.barrier);
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 
-    // Phase 2 (hc_mix_tc): lo's rows split into shared memory (a row that is not real: zeros, as linear_split_rows
-    // leaves it), the slice's MMAs (column g takes row g; columns from T on take row 0 and are never written), the
-    // slices summed and the mix (HcMixStore).
+    // Phase 2 (hc_mix_tc): lo's rows split into shared memory (a row that is not real, or past nrows: zeros;
+    // linear_split_rows leaves zeros for the former, and columns past nrows are never written), the slice's MMAs
+    // (column g takes row g, columns from T on row 0: never written either), the slices summed and the mix
+    // (HcMixStore).
     if (!gates) return;
     __shared__ uint4 xs[T * HC_ONE_STEPS * 12];
     __shared__ float part[SPLIT_WARPS][16][T];
@@ -466,24 +476,14 @@ DEV void hc_read_one(const FpHcRead& p) {
     const bool xvec = ((u64)Xl & 15) == 0 && (a.k & 3) == 0;
     for (u32 j = threadIdx.x; j < T * steps * 4; j += blockDim.x) {
         const u32 t = j / (steps * 4), js = j % (steps * 4);
-        float x[8];
-        if (ok[t]) {
-            load_x8_k(Xl + (u64)t * a.k, (js / 4) * 32 + (js % 4) * 8, a.k, xvec, x);
-        } else {
-#pragma unroll
-            for (int e = 0; e < 8; e++) x[e] = 0.0f;
-        }
-        uint4 xt[3];
-        tc_split_x(x, xt);
-#pragma unroll
-        for (int e = 0; e < 3; e++) xs[j * 3 + e] = xt[e];
+        split_chunk(Xl + (u64)t * a.k, (js / 4) * 32 + (js % 4) * 8, a.k, xvec, (real >> t) & 1, xs + j * 3);
     }
     __syncthreads();
     float acc[1][3][4];
 #pragma unroll
     for (int e = 0; e < 3; e++)
 #pragma unroll
-        for (int r = 0; r < 4; r++) acc[0][e][r] = 0.0f;
+        for (int i = 0; i < 4; i++) acc[0][e][i] = 0.0f;
     const uint4* const xb[1] = {xs + (((g < (u32)T ? g : 0) * steps + s0) * 4 + q) * 3};
     tc_batch_mmas<3, 1, true>(acc, w0, w1, xb, left);
 #pragma unroll

@@ -421,7 +421,8 @@ impl CudaBackend {
 
     /// Sizes the one-wave grids (`launch::linear::one_wave`) as for a GPU of `sms` SMs, or of this GPU's own count with
     /// 0, and drops the captured graphs so that the next runs capture with it. For tests: with a small count every
-    /// block loops over many m-tiles and experts' items, which must give the same bits as this GPU's own grids.
+    /// block loops over many m-tiles and experts' items, which must give the same bits as this GPU's own grids. The
+    /// grid-barrier kernels' grids are checked against what this GPU holds at once, whatever the count.
     ///
     /// # Errors
     /// A device error.

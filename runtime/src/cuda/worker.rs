@@ -45,10 +45,12 @@ pub(super) struct Worker {
     sms: u32,
     /// Streaming multiprocessors of the GPU.
     device_sms: u32,
+    /// Blocks of a grid-barrier kernel that this GPU holds at once (`launch::Addrs::barrier_blocks`).
+    barrier_blocks: u32,
     /// Launch runs of sibling linears as one `linear_multi` (`FLASHPLAN_FUSE_LINEAR`, default on).
     fuse_linear: bool,
     /// Fewer launches for small ops (`FLASHPLAN_FUSE_SMALL`, default on): the router in one launch up to 8 rows,
-    /// `hc_norm` inside the preceding `hc_write`.
+    /// `hc_norm` inside the preceding `hc_write`, the rest of a hyper-connection read in one launch up to 4 rows.
     fuse_small: bool,
     modules: Vec<sys::CUmodule>,
     rope_cfg: Rope,
@@ -118,6 +120,7 @@ impl Worker {
                 funcs.insert(e.clone(), f);
             }
         }
+        let barrier_blocks = barrier_blocks(&funcs, sms)?;
         // Weights, BF16 or MXFP8 (weights.rs), 256-byte aligned each.
         let (offsets, total) = weights::place(&weights);
         let wbuf = if total > 0 {
@@ -213,6 +216,7 @@ impl Worker {
             pdl,
             sms,
             device_sms: sms,
+            barrier_blocks,
             fuse_linear,
             fuse_small,
             modules,
@@ -309,6 +313,7 @@ impl Worker {
             counters: self.counter_base[i],
             fuse_small: self.fuse_small,
             sms: self.sms,
+            barrier_blocks: self.barrier_blocks,
             side_scratch: self.side_scratch.as_ref().map_or(0, |b| b.ptr),
             side_arena: self.side_arena.as_ref().map_or(0, |b| b.ptr),
             moved: &[],
@@ -713,4 +718,30 @@ impl Worker {
             nodes_us,
         })
     }
+}
+
+/// Blocks of the grid-barrier kernels (`launch::BARRIER_KERNELS`, blocks of `launch::BARRIER_BLOCK` threads) that
+/// this GPU holds at once: the least of their occupancies (`cuOccupancyMaxActiveBlocksPerMultiprocessor`, from each
+/// compiled kernel's registers and shared memory) times `sms`; 0 when the plan has none of them. A launch whose grid
+/// is larger would wait forever at its barrier, so the launches check their grid against it
+/// (`launch::Addrs::barrier_blocks`).
+fn barrier_blocks(funcs: &HashMap<String, sys::CUfunction>, sms: u32) -> Result<u32, BackendError> {
+    let mut per_sm: Option<u32> = None;
+    for name in launch::BARRIER_KERNELS {
+        let Some(&f) = funcs.get(*name) else { continue };
+        let mut n: std::ffi::c_int = 0;
+        // SAFETY: f is a function of a loaded module; n is a valid out pointer.
+        unsafe {
+            sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                &mut n,
+                f,
+                launch::BARRIER_BLOCK as i32,
+                0,
+            )
+        }
+        .result()
+        .map_err(|e| BackendError::Device(format!("occupancy of {name}: {e}")))?;
+        per_sm = Some(per_sm.map_or(n.max(0) as u32, |p| p.min(n.max(0) as u32)));
+    }
+    Ok(per_sm.unwrap_or(0) * sms)
 }

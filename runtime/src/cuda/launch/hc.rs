@@ -47,29 +47,26 @@ pub(super) fn hc_mix_slices(gates: u32) -> u32 {
 /// Chunks of 8 down weights a lane of `hc_read_one_t*` holds (`HC_ONE_U`, kernels/norm.cu): the one batch of a
 /// warp's slice of K = C*D (8 slices), up to 1280 values (the real width: 4 x 2560 = 10240).
 const HC_ONE_CHUNKS: u32 = 5;
-/// Blocks of `hc_read_one_t*` on one SM (their `__launch_bounds__(256, 3)`: at most 85 registers, under 16 KB of
-/// static shared memory a block), which the grid barrier needs all at once.
-const HC_ONE_PER_SM: u32 = 3;
-
 /// `hc_read_one` entry points per row tile (kernels/norm.cu).
-const HC_READ_ONE: ByRows = &["hc_read_one_t1", "hc_read_one_t2", "hc_read_one_t4"];
+pub(super) const HC_READ_ONE: ByRows = &["hc_read_one_t1", "hc_read_one_t2", "hc_read_one_t4"];
 
-/// Steps of 32 of the rank that `hc_read_one_t*` split into shared memory (`HC_ONE_STEPS`, kernels/norm.cu).
+/// Steps of 32 of the rank whose BF16 terms `hc_read_one_t*` keep in shared memory a row (`HC_ONE_STEPS`,
+/// kernels/norm.cu).
 const HC_ONE_STEPS: u32 = 16;
 
-/// The grid of `hc_read_one_t1` / `_t2` / `_t4` (kernels/norm.cu: the down and inject dots and the gates and mix of
-/// up to four rows in one launch, joined by a grid barrier), or None where it does not apply: more than four rows,
-/// a warp's slice of the down longer than its one batch of [`HC_ONE_CHUNKS`] chunks a lane, a rank over
-/// [`HC_ONE_STEPS`] steps of 32 or a slice of the gates over 3 of them, or a grid that does not fit on `sms` SMs at
-/// once (0: unknown). The grid covers both phases: an output pair a block for the down and inject, `hc_mix_tc`'s
-/// blocks for the gates.
+/// The grid of `hc_read_one_t*` (kernels/norm.cu: the down and inject dots and the gates and mix of up to 4 rows in
+/// one launch, joined by a grid barrier), or None where it does not apply: more than 4 rows (or none), a warp's
+/// slice of the down longer than its one batch of [`HC_ONE_CHUNKS`] chunks a lane, a rank over [`HC_ONE_STEPS`]
+/// steps of 32 or a slice of the gates over 3 of them, or a grid over `barrier_blocks`, the blocks the GPU holds at
+/// once ([`Addrs::barrier_blocks`]). The grid covers both phases: an output pair a block for the down and inject,
+/// `hc_mix_tc`'s blocks for the gates.
 pub(super) fn hc_read_one_grid(
     nrows: u32,
     gates: u32,
     outs: u32,
     rank: u32,
     split: u32,
-    sms: u32,
+    barrier_blocks: u32,
 ) -> Option<u32> {
     let slice = gates.div_ceil(8 * 8) * 8;
     let steps = rank.div_ceil(32);
@@ -80,7 +77,7 @@ pub(super) fn hc_read_one_grid(
         && slice <= 256 * HC_ONE_CHUNKS
         && steps <= HC_ONE_STEPS
         && steps.div_ceil(split) <= 3
-        && grid <= HC_ONE_PER_SM * sms)
+        && grid <= barrier_blocks)
         .then_some(grid)
 }
 
@@ -91,8 +88,8 @@ const HC_NORM_MOST_DIM: u32 = 16 * 256;
 /// The `HcRead` node's launches: `hc_norm` (with `norm`; without it the previous `hc_write_norm` has written Hn),
 /// then hc_read (down and inject dots, row tiles over `blockIdx.y` beyond 4 rows), then from two rows on
 /// hc_mix_split (lo's BF16 terms) and hc_mix_tc (the gates on tensor cores and the mix: kernels/norm.cu). With
-/// `FLASHPLAN_FUSE_SMALL`, up to four rows' hc_read, hc_mix_split and hc_mix_tc are one launch, `hc_read_one_t1` /
-/// `_t2` / `_t4` ([`hc_read_one_grid`]), whose grid barrier counts in node `node`'s counter: the same bits.
+/// `FLASHPLAN_FUSE_SMALL`, up to 4 rows' hc_read, hc_mix_split and hc_mix_tc are one launch, `hc_read_one_t*`
+/// ([`hc_read_one_grid`]), whose grid barrier counts in node `node`'s counter: the same bits.
 pub(super) fn hc_read_spec(
     a: &Addrs,
     v: &Variant,
@@ -150,15 +147,20 @@ pub(super) fn hc_read_spec(
     };
     let outs = *rank + if p.inject != 0 { *hc } else { 0 };
     let nrows = if gathered { streams } else { rows };
-    let one = hc_read_one_grid(nrows, gates, outs, *rank, p.split, a.sms).filter(|_| a.fuse_small);
+    let one = hc_read_one_grid(nrows, gates, outs, *rank, p.split, a.barrier_blocks)
+        .filter(|_| a.fuse_small);
     if let Some(grid) = one {
         let kone = by_rows(HC_READ_ONE, nrows);
         p.barrier = a.counters + 4 * node as u64;
         let params = bytes(&p);
         return Ok(if norm {
-            LaunchSpec::new("hc_norm", params, (nrows * *hc, 1, 1), 256).then(kone, grid, 256)
+            LaunchSpec::new("hc_norm", params, (nrows * *hc, 1, 1), 256).then(
+                kone,
+                grid,
+                BARRIER_BLOCK,
+            )
         } else {
-            LaunchSpec::new(kone, params, (grid, 1, 1), 256)
+            LaunchSpec::new(kone, params, (grid, 1, 1), BARRIER_BLOCK)
         });
     }
     let (read, npw, tiles) = hc_read_launch(nrows);

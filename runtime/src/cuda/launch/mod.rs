@@ -35,6 +35,11 @@ pub(crate) use ple::{side_arena_buffers, side_arena_elems};
 pub(crate) use rows::read_floor_spec;
 use sample::SAMPLE_PARTS;
 
+/// The kernels with a grid barrier (common.cuh `grid_barrier`), whose whole grid must be on the GPU at once.
+pub(crate) const BARRIER_KERNELS: &[&str] = hc::HC_READ_ONE;
+/// Threads a block of every [`BARRIER_KERNELS`] kernel.
+pub(crate) const BARRIER_BLOCK: u32 = 256;
+
 /// Device addresses a node's parameters are bound to.
 #[derive(Clone, Copy)]
 pub(crate) struct Addrs<'a> {
@@ -48,14 +53,20 @@ pub(crate) struct Addrs<'a> {
     pub rope: u64,
     pub rope_cfg: &'a Rope,
     /// This variant's node counters: one u32 per node of the variant (node i at `counters + 4 i`), zeroed at
-    /// allocation; a kernel that uses its node's counter leaves it as it found it for the next launch (graph
-    /// replays): the router's count back at 0, the grid barrier of `hc_read_one_t*` with its low 31 bits at 0.
+    /// allocation; a kernel that uses its node's counter leaves it ready for the next launch (graph replays): the
+    /// router's count back at 0; the grid barrier of `hc_read_one_t*` with its low 31 bits at 0 (bit 31 flips at
+    /// every launch, common.cuh `grid_barrier`).
     pub counters: u64,
     /// Fewer launches for the small ops (`FLASHPLAN_FUSE_SMALL`): the router in one launch up to
-    /// `ROUTER_ONE_LAUNCH_ROWS` rows (its last block does the top-k). Same bits either way.
+    /// `ROUTER_ONE_LAUNCH_ROWS` rows (its last block does the top-k), `hc_norm` in the write before it, the rest of a
+    /// hyper-connection read in one launch up to 4 rows (`hc_read_one_t*`). Same bits either way.
     pub fuse_small: bool,
     /// Streaming multiprocessors of the GPU (132 on the H200), for the one-wave grids ([`linear::one_wave`]).
     pub sms: u32,
+    /// Blocks of a grid-barrier kernel ([`BARRIER_KERNELS`]) the GPU holds at once (its occupancy times the GPU's own
+    /// SMs, whatever `sms` a test set): a grid-barrier launch runs only with a grid up to this, else the launches it
+    /// replaces run (0: never).
+    pub barrier_blocks: u32,
     /// The side branch's scratch ([`side_scratch_elems`] elements), or 0 to run every launch on the main stream.
     pub side_scratch: u64,
     /// The side arena ([`side_arena_elems`] elements) for the buffers of the PLE branch ([`branch_ple_prep`]), or 0.

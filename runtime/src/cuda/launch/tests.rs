@@ -61,6 +61,7 @@ fn specs_of(
                 counters: 0x5000_0000,
                 fuse_small,
                 sms,
+                barrier_blocks: 3 * sms,
                 side_scratch,
                 side_arena: if side_scratch != 0 { SIDE_ARENA } else { 0 },
                 moved: &[],
@@ -380,7 +381,7 @@ fn hc_norm_moves_into_the_write_before_a_read_of_the_same_h() {
                 } else {
                     streams * window
                 };
-                // One to four rows with the switch: the read, the split and the mix are one launch, hc_read_one_t*.
+                // With the switch, up to 4 rows: the read, the split and the mix are one launch, hc_read_one_t*.
                 let one = fuse_small && nrows <= 4;
                 let split = usize::from(nrows >= 2 && !one);
                 let last = read.then.last().map_or(read.kernel, |t| t.0);
@@ -483,28 +484,82 @@ fn mx_split_depends_on_the_weight_shape_only() {
 }
 
 #[test]
-fn hc_read_one_takes_up_to_four_rows_whose_slices_and_grid_fit() {
+fn hc_read_one_takes_up_to_4_rows_whose_slices_and_grid_fit() {
     // The real read: 10240 gates of rank 320 (4 slices: 320 blocks of the gates), 320 + 4 outputs (162 blocks).
-    assert_eq!(hc_read_one_grid(1, 10_240, 324, 320, 4, 132), Some(320));
-    // The grid must fit at once: 3 blocks an SM.
-    assert_eq!(hc_read_one_grid(1, 10_240, 324, 320, 4, 106), None);
-    assert_eq!(hc_read_one_grid(1, 10_240, 324, 320, 4, 107), Some(320));
+    assert_eq!(hc_read_one_grid(1, 10_240, 324, 320, 4, 396), Some(320));
+    // The whole grid must fit on the GPU at once.
+    assert_eq!(hc_read_one_grid(1, 10_240, 324, 320, 4, 319), None);
     assert_eq!(hc_read_one_grid(1, 10_240, 324, 320, 4, 0), None);
-    // One to four rows.
-    assert_eq!(hc_read_one_grid(2, 10_240, 324, 320, 4, 132), Some(320));
-    assert_eq!(hc_read_one_grid(4, 10_240, 324, 320, 4, 132), Some(320));
-    assert_eq!(hc_read_one_grid(5, 10_240, 324, 320, 4, 132), None);
+    // Up to 4 rows, every row count in between.
+    for rows in 1..=4 {
+        assert_eq!(
+            hc_read_one_grid(rows, 10_240, 324, 320, 4, 396),
+            Some(320),
+            "{rows} rows"
+        );
+    }
+    assert_eq!(hc_read_one_grid(0, 10_240, 324, 320, 4, 396), None);
+    assert_eq!(hc_read_one_grid(5, 10_240, 324, 320, 4, 396), None);
     // The down's slice is one batch of 5 chunks a lane (up to 1280 values: W up to 10240)...
-    assert_eq!(hc_read_one_grid(1, 10_248, 324, 320, 4, 132), None);
-    // ... and a slice of the gates at most 3 steps of 32.
-    assert_eq!(hc_read_one_grid(1, 10_240, 324, 416, 4, 132), None);
-    assert_eq!(hc_read_one_grid(1, 10_240, 324, 384, 4, 132), Some(320));
-    // ... of a rank of at most 16 steps (lo's terms in shared memory).
-    assert_eq!(hc_read_one_grid(1, 10_240, 324, 512, 8, 214), Some(640));
-    assert_eq!(hc_read_one_grid(1, 10_240, 324, 544, 8, 214), None);
-    // The tiny fixtures: the outputs' blocks can outnumber the gates'.
-    assert_eq!(hc_read_one_grid(1, 256, 12, 8, 8, 132), Some(16));
-    assert_eq!(hc_read_one_grid(1, 16, 40, 8, 8, 132), Some(20));
+    assert_eq!(hc_read_one_grid(1, 10_248, 324, 320, 4, 396), None);
+    // ... a slice of the gates at most 3 steps of 32 ...
+    assert_eq!(hc_read_one_grid(1, 10_240, 324, 416, 4, 396), None);
+    assert_eq!(hc_read_one_grid(1, 10_240, 324, 384, 4, 396), Some(320));
+    // ... and a rank of at most 16 steps (lo's terms in shared memory).
+    assert_eq!(hc_read_one_grid(4, 10_240, 324, 512, 8, 640), Some(640));
+    assert_eq!(hc_read_one_grid(4, 10_240, 324, 544, 8, 640), None);
+    // The tiny fixtures: the outputs' blocks can outnumber the gates', and they must fit too.
+    assert_eq!(hc_read_one_grid(1, 256, 12, 8, 8, 396), Some(16));
+    assert_eq!(hc_read_one_grid(1, 16, 40, 8, 8, 396), Some(20));
+    assert_eq!(hc_read_one_grid(1, 16, 40, 8, 8, 19), None);
+}
+
+#[test]
+fn a_grid_that_does_not_fit_keeps_the_separate_hc_read_launches() {
+    let plan = crate::cuda::fuse::tests::tiny_plan();
+    // The tiny reads need 16 blocks: a GPU holding 3 a time (one SM) keeps hc_read_t* + hc_mix_tc_t*.
+    let mut seen = 0;
+    for (v, sp) in specs_of(&plan, true, SIDE_SCRATCH, 1) {
+        for (i, n) in v.nodes.iter().enumerate() {
+            if !matches!(n.op, Op::HcRead { .. }) {
+                continue;
+            }
+            let read = sp[i].as_ref().expect("hc_read launched");
+            let kernels: Vec<&str> = std::iter::once(read.kernel)
+                .chain(read.then.iter().map(|t| t.0))
+                .collect();
+            assert!(
+                kernels.iter().all(|k| !k.starts_with("hc_read_one")),
+                "{}: {kernels:?}",
+                v.kind.name()
+            );
+            assert!(kernels.last().is_some_and(|k| k.starts_with("hc_mix_tc_t")));
+            let p: FpHcRead = params_of(read);
+            assert_eq!(p.barrier, 0);
+            seen += 1;
+        }
+    }
+    assert!(seen > 0);
+    // On 132 SMs every read of up to 4 rows is one launch whose grid fits.
+    for (v, sp) in specs_of(&plan, true, SIDE_SCRATCH, 132) {
+        for (i, n) in v.nodes.iter().enumerate() {
+            let (streams, window) = v.kind.shape();
+            let nrows = if hc_read_gathered(&v, &n.op) {
+                streams
+            } else {
+                streams * window
+            };
+            if let (Op::HcRead { .. }, true) = (&n.op, nrows <= 4) {
+                let read = sp[i].as_ref().expect("hc_read launched");
+                let (k, grid) = read
+                    .then
+                    .last()
+                    .map_or((read.kernel, read.grid), |t| (t.0, t.1));
+                assert!(k.starts_with("hc_read_one_t"), "{}: {k}", v.kind.name());
+                assert!(grid.0 <= 3 * 132 && grid.1 == 1 && grid.2 == 1);
+            }
+        }
+    }
 }
 
 #[test]
