@@ -46,13 +46,13 @@ pub(super) fn hc_mix_slices(gates: u32) -> u32 {
 
 /// Chunks of 8 down weights a lane of `hc_read_one_t*` holds (`HC_ONE_U`, kernels/norm.cu): the one batch of a
 /// warp's slice of K = C*D (8 slices), up to 1280 values (the real width: 4 x 2560 = 10240).
-const HC_ONE_CHUNKS: u32 = 5;
+pub(super) const HC_ONE_CHUNKS: u32 = 5;
 /// `hc_read_one` entry points per row tile (kernels/norm.cu).
 pub(super) const HC_READ_ONE: ByRows = &["hc_read_one_t1", "hc_read_one_t2", "hc_read_one_t4"];
 
 /// Steps of 32 of the rank whose BF16 terms `hc_read_one_t*` keep in shared memory a row (`HC_ONE_STEPS`,
 /// kernels/norm.cu).
-const HC_ONE_STEPS: u32 = 16;
+pub(super) const HC_ONE_STEPS: u32 = 16;
 
 /// The grid of `hc_read_one_t*` (kernels/norm.cu: the down and inject dots and the gates and mix of up to 4 rows in
 /// one launch, joined by a grid barrier), or None where it does not apply: more than 4 rows (or none), a warp's

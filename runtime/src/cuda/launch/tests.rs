@@ -653,3 +653,29 @@ fn experts_grids_have_one_block_per_8_warps_of_items_and_both_down_kernels_run()
     assert!(seen > 0, "the tiny plan has routed experts");
     assert_eq!(downs.len(), 2, "both down entry points launched: {downs:?}");
 }
+
+#[test]
+fn hc_read_one_limits_match_the_kernel_defines() {
+    // The launch's limits mirror kernels/norm.cu's array sizes: a drift would let the kernel run past them.
+    let src = include_str!("../../../../kernels/norm.cu");
+    let define = |name: &str| -> u32 {
+        let line = src
+            .lines()
+            .find(|l| l.starts_with(&format!("#define {name} ")))
+            .unwrap_or_else(|| panic!("#define {name} in kernels/norm.cu"));
+        line[format!("#define {name} ").len()..]
+            .trim()
+            .parse()
+            .unwrap_or_else(|e| panic!("{line}: {e}"))
+    };
+    assert_eq!(define("HC_ONE_U"), HC_ONE_CHUNKS);
+    assert_eq!(define("HC_ONE_STEPS"), HC_ONE_STEPS);
+    // Every entry point the launch names is in the kernel file, under the barrier kernels' block size.
+    for name in HC_READ_ONE {
+        assert!(
+            src.lines().any(|l| l.contains(&format!(" {name}("))
+                && l.contains(&format!("__launch_bounds__({BARRIER_BLOCK},"))),
+            "{name}"
+        );
+    }
+}
