@@ -88,7 +88,8 @@ extern "C" __global__ void gated_norm(const FpGatedNorm p) {
 }
 
 // Hyper-connection read in three or four launches (one node), or with `FLASHPLAN_FUSE_SMALL` up to 4 rows in one or
-// two (hc_norm if no hc_write_norm came before, then hc_read_one_t*, at the end of this file). Hn = grouped RMSNorm(H, hc_norm) (groups of dim);
+// two (hc_norm if no hc_write_norm came before, then hc_read_one_t*, at the end of this file).
+// Hn = grouped RMSNorm(H, hc_norm) (groups of dim);
 // lo = silu(W_down Hn / C), inj[c] = 2 sigmoid(W_inj[c] . Hn / C), a[d] = mean_c sigmoid(W_up lo)[c*D+d] * Hn[c*D+d].
 // - hc_norm: block per (row, hyper-connection): Hn into scratch [rows, C*D];
 // - hc_read: split-K block dots (common.cuh `slice_dots`) of NPW outputs of [W_down; W_inj] per block over Hn,
@@ -331,7 +332,7 @@ extern "C" __global__ void hc_mix_tc_t4(const FpHcRead p) { pdl_start(); hc_mix_
 extern "C" __global__ void hc_mix_tc_t8(const FpHcRead p) { pdl_start(); hc_mix_tc_entry<8>(p); }
 extern "C" __global__ void hc_mix_tc_t16(const FpHcRead p) { pdl_start(); hc_mix_tc_entry<16>(p); }
 
-// ---- hc_read_one_t1 / _t2 / _t4: the read of up to 4 rows after their norm in one launch (`FLASHPLAN_FUSE_SMALL`) ----
+// ---- hc_read_one_t1 / _t2 / _t4: the read of up to 4 rows after their norm in one launch (FLASHPLAN_FUSE_SMALL) ----
 // hc_read_t*'s blocks (the down and inject dots, 2 outputs a block, K over 8 slices) and hc_mix_tc_t*'s blocks (the
 // gates on tensor cores and the mix) as the two phases of one grid, joined by a grid barrier (common.cuh
 // `grid_barrier`): one launch instead of two (three from two rows on, with hc_mix_split), and the weights loaded

@@ -77,6 +77,7 @@ pub(super) fn hc_read_one_grid(
         && slice <= 256 * HC_ONE_CHUNKS
         && steps <= HC_ONE_STEPS
         && steps.div_ceil(split) <= 3
+        && grid > 0
         && grid <= barrier_blocks)
         .then_some(grid)
 }
