@@ -290,6 +290,38 @@ struct Bf16Row {
     }
 };
 
+// One batch of warp_dots_rows' vector path: chunk u at kk = kb + 256 u (those below K, u ascending) of NPW weight
+// rows (wv, loaded by the caller), unpacked, then per real row t acc[m][t] += dot8 of them and the row's 8
+// activations: xr[(u T + t) 2 ..] when given (loaded with the weights, PRE), else loaded here. Also hc_read_one's
+// phase 1, with the weights it loaded before waiting on the previous kernel.
+template <int T, int NPW, int U, class Row>
+DEV void batch_dots(const typename Row::raw_t (&wv)[U][NPW], const float4* xr, const float* X, u64 xs, const bool* ok,
+                    u32 K, u32 kb, bool xvec, float (&acc)[NPW][T]) {
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        const u32 kk = kb + u * 256;
+        if (kk < K) {
+            float f[NPW][8];
+#pragma unroll
+            for (int m = 0; m < NPW; m++) Row::unpack(wv[u][m], f[m]);
+#pragma unroll
+            for (int t = 0; t < T; t++) {
+                if (!ok[t]) continue;
+                float x[8];
+                if (xr) {
+                    const float4 a = xr[(u * T + t) * 2], b = xr[(u * T + t) * 2 + 1];
+                    x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
+                    x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
+                } else {
+                    load_x8(X + (u64)t * xs + kk, xvec, x);
+                }
+#pragma unroll
+                for (int m = 0; m < NPW; m++) acc[m][t] += dot8(f[m], x);
+            }
+        }
+    }
+}
+
 // res[m][t] = dot(w[m][0..K), X[t * xs ..][0..K)) for NPW weight rows (m < nm) and T activation rows (ok[t]), by
 // one warp. Vector path (K % 8 == 0, rows aligned for their loads: `wvec`): lane l takes the chunks of 8 at
 // l*8 + 256 j, U chunks of every weight row in flight at a time; per (m, t) the lane sums its chunks in ascending k
@@ -332,43 +364,11 @@ DEV void warp_dots_rows(const Row* w, u32 nm, const float* X, u64 xs, const bool
                             xr[u][t][0] = in ? xp[0] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
                             xr[u][t][1] = in ? xp[1] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
                         }
-#pragma unroll
-                    for (int u = 0; u < U; u++) {
-                        const u32 kk = kb + u * 256;
-                        if (kk < K) {
-                            float f[NPW][8];
-#pragma unroll
-                            for (int m = 0; m < NPW; m++) Row::unpack(wv[u][m], f[m]);
-#pragma unroll
-                            for (int t = 0; t < T; t++) {
-                                if (!ok[t]) continue;
-                                const float x[8] = {xr[u][t][0].x, xr[u][t][0].y, xr[u][t][0].z, xr[u][t][0].w,
-                                                    xr[u][t][1].x, xr[u][t][1].y, xr[u][t][1].z, xr[u][t][1].w};
-#pragma unroll
-                                for (int m = 0; m < NPW; m++) acc[m][t] += dot8(f[m], x);
-                            }
-                        }
-                    }
+                    batch_dots<T, NPW, U, Row>(wv, &xr[0][0][0], X, xs, ok, K, kb, xvec, acc);
                     continue;
                 }
             }
-#pragma unroll
-            for (int u = 0; u < U; u++) {
-                const u32 kk = kb + u * 256;
-                if (kk < K) {
-                    float f[NPW][8];
-#pragma unroll
-                    for (int m = 0; m < NPW; m++) Row::unpack(wv[u][m], f[m]);
-#pragma unroll
-                    for (int t = 0; t < T; t++) {
-                        if (!ok[t]) continue;
-                        float x[8];
-                        load_x8(X + (u64)t * xs + kk, xvec, x);
-#pragma unroll
-                        for (int m = 0; m < NPW; m++) acc[m][t] += dot8(f[m], x);
-                    }
-                }
-            }
+            batch_dots<T, NPW, U, Row>(wv, nullptr, X, xs, ok, K, kb, xvec, acc);
         }
     } else {
         for (u32 kk = lane; kk < K; kk += 32) {

@@ -197,6 +197,19 @@ DEV void tc_steps_split(float (&acc)[NT][3][4], const uint4* wp, u32 s0, u32 s1,
     }
 }
 
+// The three terms of each MMA accumulator summed into a warp's partials pw[feature][row]: lane (g, q) holds features g
+// and g + 8 of rows 2q and 2q + 1 of each n-tile (rows from T on are not kept). linear_tc_rows and hc_read_one.
+template <int T, int NT>
+DEV void tc_acc_to_part(const float (&acc)[NT][3][4], float (&pw)[16][T], u32 g, u32 q) {
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            const u32 f = g + (r >= 2 ? 8 : 0), t = nt * 8 + 2 * q + (r & 1);
+            if (t < (u32)T) pw[f][t] = (acc[nt][0][r] + acc[nt][1][r]) + acc[nt][2][r];
+        }
+}
+
 // Blocks block, block + nblocks, ... of a launch of nblocks blocks, each (8 / S) m-tiles of 16 output features;
 // T is the row tile (1, 2, 4, 8 or 16: one or two n-tiles), U the steps of loads in flight. The weights are in MMA
 // tiles (TC_TILE_U4), so a step's loads are two unconditional 16-byte loads per lane that are its A fragments.
@@ -298,14 +311,7 @@ DEV void linear_tc_rows(const FpLinear& a, u32 total, u32 block, u32 nblocks, co
                     wp += U * TC_TILE_U4;
                 }
             }
-            // Lane holds (feature g, rows 2q, 2q + 1) and (feature g + 8, the same rows) of each n-tile.
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                for (int r = 0; r < 4; r++) {
-                    const u32 f = g + (r >= 2 ? 8 : 0), t = nt * 8 + 2 * q + (r & 1);
-                    if (t < (u32)T) part[warp][f][t] = (acc[nt][0][r] + acc[nt][1][r]) + acc[nt][2][r];
-                }
+            tc_acc_to_part<T, NT>(acc, part[warp], g, q);
             __syncthreads();
             store(a, part, nb0, i0, G, S, total);
             __syncthreads();

@@ -401,23 +401,7 @@ DEV void hc_read_one(const FpHcRead& p) {
             for (int m = 0; m < 2; m++)
 #pragma unroll
                 for (int t = 0; t < T; t++) acc[m][t] = 0.0f;
-#pragma unroll
-            for (int u = 0; u < HC_ONE_U; u++) {
-                const u32 kk = lane * 8 + u * 256;
-                if (kk < K) {
-                    float f[2][8];
-#pragma unroll
-                    for (int m = 0; m < 2; m++) unpack8(wv[u][m], f[m]);
-#pragma unroll
-                    for (int t = 0; t < T; t++) {
-                        if (!ok[t]) continue;
-                        float x[8];
-                        load_x8(hn + (u64)t * W + ka + kk, true, x);
-#pragma unroll
-                        for (int m = 0; m < 2; m++) acc[m][t] += dot8(f[m], x);
-                    }
-                }
-            }
+            batch_dots<T, 2, HC_ONE_U, Bf16Row>(wv, nullptr, hn + ka, W, ok, K, lane * 8, true, acc);
 #pragma unroll
             for (int m = 0; m < 2; m++)
 #pragma unroll
@@ -487,11 +471,7 @@ DEV void hc_read_one(const FpHcRead& p) {
         for (int i = 0; i < 4; i++) acc[0][e][i] = 0.0f;
     const uint4* const xb[1] = {xs + (((g < (u32)T ? g : 0) * steps + s0) * 4 + q) * 3};
     tc_batch_mmas<3, 1, true>(acc, w0, w1, xb, left);
-#pragma unroll
-    for (int r = 0; r < 4; r++) {
-        const u32 f = g + (r >= 2 ? 8 : 0), t = 2 * q + (r & 1);
-        if (t < (u32)T) part[warp][f][t] = (acc[0][0][r] + acc[0][1][r]) + acc[0][2][r];
-    }
+    tc_acc_to_part<T, 1>(acc, part[warp], g, q);
     __syncthreads();
     const HcMixStore store{hn, W, p.dim, p.hc};
     store(a, part, nb0, 0, G, S, nrows);
