@@ -150,31 +150,28 @@ pub(super) fn hc_read_spec(
     let nrows = if gathered { streams } else { rows };
     let one = hc_read_one_grid(nrows, gates, outs, *rank, p.split, a.barrier_blocks)
         .filter(|_| a.fuse_small);
-    if let Some(grid) = one {
-        let kone = by_rows(HC_READ_ONE, nrows);
+    if one.is_some() {
         p.barrier = a.counters + 4 * node as u64;
-        let params = bytes(&p);
-        return Ok(if norm {
-            LaunchSpec::new("hc_norm", params, (nrows * *hc, 1, 1), 256).then(
-                kone,
-                grid,
-                BARRIER_BLOCK,
-            )
+    }
+    let params = bytes(&p);
+    // The read's first launch, after hc_norm when the read normalizes H itself.
+    let first = |kernel, grid, block| {
+        if norm {
+            LaunchSpec::new("hc_norm", params, (nrows * *hc, 1, 1), 256)
+                .then_grid(kernel, grid, block)
         } else {
-            LaunchSpec::new(kone, params, (grid, 1, 1), BARRIER_BLOCK)
-        });
+            LaunchSpec::new(kernel, params, grid, block)
+        }
+    };
+    if let Some(grid) = one {
+        return Ok(first(
+            by_rows(HC_READ_ONE, nrows),
+            (grid, 1, 1),
+            BARRIER_BLOCK,
+        ));
     }
     let (read, npw, tiles) = hc_read_launch(nrows);
-    let params = bytes(&p);
-    let spec = if norm {
-        LaunchSpec::new("hc_norm", params, (nrows * *hc, 1, 1), 256).then_grid(
-            read,
-            (outs.div_ceil(npw), tiles, 1),
-            256,
-        )
-    } else {
-        LaunchSpec::new(read, params, (outs.div_ceil(npw), tiles, 1), 256)
-    };
+    let spec = first(read, (outs.div_ceil(npw), tiles, 1), 256);
     let spec = if nrows >= 2 {
         spec.then("hc_mix_split", split_grid(nrows, *rank), 256)
     } else {
