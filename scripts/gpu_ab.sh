@@ -13,6 +13,12 @@
 #      build (read it with std::env::var("FLASHPLAN_AB") and remove it before the commit); its outputs go to
 #      $OUT/NAME-MODE.PASS.txt. GPU_AB_ARGS adds gpu_bench arguments to every run (e.g. "--streams" for the
 #      stream-count table, "--windows" for the 12-row window); the lines printed are every variant row of the tables.
+#   3. On the H200, what one kernel does (Nsight Compute, which the H200 machine has at /usr/local/cuda/bin/ncu):
+#                                                bash scripts/gpu_ab.sh ncu NAME[:MODE] KERNEL_REGEX
+#      profiles the first launch of the entry points matching KERNEL_REGEX (NCU_SKIP launches skipped first; the
+#      variants run in plan order, lone-w1 first) in `gpu_bench --iters 3`: speed of light, memory workload, warp
+#      states (stall reasons), occupancy, launch statistics into $OUT/NAME[-MODE].ncu.txt, the metric rows printed.
+#      Under ncu the SM clock is locked to its base (1.46 GHz on the H200): durations are longer than in a replay.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode="${1:-}"
@@ -60,8 +66,28 @@ run)
         done
     done
     ;;
+ncu)
+    [ "$#" -eq 2 ] || { echo "usage: $0 ncu NAME[:MODE] KERNEL_REGEX" >&2; exit 2; }
+    out="${OUT:-/tmp/gpu-ab-out}"
+    mkdir -p "$out"
+    arg="$1"
+    name="${arg%%:*}"
+    mode=""
+    [ "$arg" != "$name" ] && mode="${arg#*:}"
+    tag="$name${mode:+-$mode}"
+    [ -d "/tmp/$name" ] || tar xJf "gpu-ab/$name.tar.xz" -C /tmp
+    ncu="$(command -v ncu || echo /usr/local/cuda/bin/ncu)"
+    env ${mode:+"FLASHPLAN_AB=$mode"} FLASHPLAN_KERNEL_CACHE="/tmp/$name/kernels" "$ncu" \
+        --kernel-name "regex:$2" --launch-skip "${NCU_SKIP:-0}" --launch-count 1 \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
+        --section LaunchStats "/tmp/$name/gpu-bench" --iters 3 >"$out/$tag.ncu.txt" 2>&1 || {
+        tail -20 "$out/$tag.ncu.txt" >&2
+        exit 1
+    }
+    grep -E '^  [A-Za-z]|^    [A-Z][A-Za-z0-9 ./()#-]+ {2,}' "$out/$tag.ncu.txt" | grep -vE '^    (OPT|INF|WRN) '
+    ;;
 *)
-    echo "usage: $0 pack NAME | run NAME[:MODE] [NAME[:MODE] ...]" >&2
+    echo "usage: $0 pack NAME | run NAME[:MODE] [NAME[:MODE] ...] | ncu NAME[:MODE] KERNEL_REGEX" >&2
     exit 2
     ;;
 esac
