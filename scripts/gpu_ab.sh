@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# A/B timing of kernel changes on the H200, in two steps like scripts/gpu_bench.sh. Each build of the tree is packed
+# A/B timing of kernel changes on the H200, in two steps like scripts/gpu_bench.sh (and a profile of one kernel, step 3
+# below). Each build of the tree is packed
 # under a name; the H200 then runs `gpu_bench --iters 100 --nodes` for every named build, twice, interleaved (A B A B),
 # and prints each run's replay times; the full outputs (per-node times in plan order) go to $OUT/NAME.PASS.txt.
 #
@@ -15,10 +16,11 @@
 #      stream-count table, "--windows" for the 12-row window); the lines printed are every variant row of the tables.
 #   3. On the H200, what one kernel does (Nsight Compute, which the H200 machine has at /usr/local/cuda/bin/ncu):
 #                                                bash scripts/gpu_ab.sh ncu NAME[:MODE] KERNEL_REGEX
-#      profiles the first launch of the entry points matching KERNEL_REGEX (NCU_SKIP launches skipped first; the
-#      variants run in plan order, lone-w1 first) in `gpu_bench --iters 3`: speed of light, memory workload, warp
-#      states (stall reasons), occupancy, launch statistics into $OUT/NAME[-MODE].ncu.txt, the metric rows printed.
-#      Under ncu the SM clock is locked to its base (1.46 GHz on the H200): durations are longer than in a replay.
+#      profiles one launch, the first of the entry points matching KERNEL_REGEX after NCU_SKIP of them (the variants
+#      run in plan order, lone-w1 first), in `gpu_bench --iters 3` (GPU_AB_ARGS is not used): speed of light, memory
+#      workload, warp states, occupancy and launch statistics into $OUT/NAME[-MODE].ncu.txt; printed: the metric rows
+#      and the stall reasons ncu names. Under ncu the SM clock is locked to its base (1.46 GHz on the H200) and the
+#      caches are flushed before the launch: durations are longer than in a replay.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode="${1:-}"
@@ -84,7 +86,10 @@ ncu)
         tail -20 "$out/$tag.ncu.txt" >&2
         exit 1
     }
-    grep -E '^  [A-Za-z]|^    [A-Z][A-Za-z0-9 ./()#-]+ {2,}' "$out/$tag.ncu.txt" | grep -vE '^    (OPT|INF|WRN) '
+    grep -E '^  [A-Za-z]|^    [A-Z][A-Za-z0-9 ./()#-]+ {2,}|stalled' "$out/$tag.ncu.txt" | grep -vE '^    (OPT|INF|WRN) ' || {
+        echo "no metric rows in $out/$tag.ncu.txt (no launch of a kernel matching $2?)" >&2
+        exit 1
+    }
     ;;
 *)
     echo "usage: $0 pack NAME | run NAME[:MODE] [NAME[:MODE] ...] | ncu NAME[:MODE] KERNEL_REGEX" >&2
