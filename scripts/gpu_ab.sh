@@ -86,7 +86,8 @@ ncu)
         tail -20 "$out/$tag.ncu.txt" >&2
         exit 1
     }
-    grep -E '^  [A-Za-z]|^    [A-Z][A-Za-z0-9 ./()#-]+ {2,}|stalled' "$out/$tag.ncu.txt" | grep -vE '^    (OPT|INF|WRN) ' || {
+    rows='^  [A-Za-z]|^    [A-Z][A-Za-z0-9 ./()#-]+ {2,}|stalled'
+    grep -E "$rows" "$out/$tag.ncu.txt" | grep -vE '^    (OPT|INF|WRN) ' || {
         echo "no metric rows in $out/$tag.ncu.txt (no launch of a kernel matching $2?)" >&2
         exit 1
     }
