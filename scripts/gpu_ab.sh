@@ -23,6 +23,18 @@
 #      caches are flushed before the launch: durations are longer than in a replay.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+out="${OUT:-/tmp/gpu-ab-out}"
+
+# build ARG: from NAME[:MODE], sets name, mode (empty without one) and tag (NAME or NAME-MODE), and unpacks build NAME
+# under /tmp once.
+build() {
+    name="${1%%:*}"
+    mode=""
+    [ "$1" != "$name" ] && mode="${1#*:}"
+    tag="$name${mode:+-$mode}"
+    [ -d "/tmp/$name" ] || tar xJf "gpu-ab/$name.tar.xz" -C /tmp
+}
+
 mode="${1:-}"
 shift || true
 case "$mode" in
@@ -45,18 +57,11 @@ pack)
     ;;
 run)
     [ "$#" -ge 1 ] || { echo "usage: $0 run NAME[:MODE] [NAME[:MODE] ...]" >&2; exit 2; }
-    out="${OUT:-/tmp/gpu-ab-out}"
     mkdir -p "$out"
-    for arg in "$@"; do
-        name="${arg%%:*}"
-        [ -d "/tmp/$name" ] || tar xJf "gpu-ab/$name.tar.xz" -C /tmp
-    done
+    for arg in "$@"; do build "$arg"; done
     for pass in 1 2; do
         for arg in "$@"; do
-            name="${arg%%:*}"
-            mode=""
-            [ "$arg" != "$name" ] && mode="${arg#*:}"
-            tag="$name${mode:+-$mode}"
+            build "$arg"
             if ! env ${mode:+"FLASHPLAN_AB=$mode"} FLASHPLAN_KERNEL_CACHE="/tmp/$name/kernels" "/tmp/$name/gpu-bench" \
                 --iters 100 --nodes ${GPU_AB_ARGS:-} >"$out/$tag.$pass.txt" 2>&1; then
                 echo "$tag failed:" >&2
@@ -70,14 +75,8 @@ run)
     ;;
 ncu)
     [ "$#" -eq 2 ] || { echo "usage: $0 ncu NAME[:MODE] KERNEL_REGEX" >&2; exit 2; }
-    out="${OUT:-/tmp/gpu-ab-out}"
     mkdir -p "$out"
-    arg="$1"
-    name="${arg%%:*}"
-    mode=""
-    [ "$arg" != "$name" ] && mode="${arg#*:}"
-    tag="$name${mode:+-$mode}"
-    [ -d "/tmp/$name" ] || tar xJf "gpu-ab/$name.tar.xz" -C /tmp
+    build "$1"
     ncu="$(command -v ncu || echo /usr/local/cuda/bin/ncu)"
     env ${mode:+"FLASHPLAN_AB=$mode"} FLASHPLAN_KERNEL_CACHE="/tmp/$name/kernels" "$ncu" \
         --kernel-name "regex:$2" --launch-skip "${NCU_SKIP:-0}" --launch-count 1 \
