@@ -497,9 +497,9 @@ fn overwritten_router_ids(v: &flashplan_plan::Variant) -> usize {
         .count()
 }
 
-/// Gives every router's ids buffer its own arena space past the variant's arena (the compiler's arena reuses
-/// it after the layer's experts), so the ids read back after a replay are each MoE layer's routing. Bench-only:
-/// nothing else moves, the arena grows by a few KB.
+/// Gives every router's ids and weights buffers their own arena space past the variant's arena (the compiler's
+/// arena reuses them after the layer's experts), so the ids and weights read back after a replay are each MoE
+/// layer's routing. Bench-only: nothing else moves, the arena grows by a few KB.
 fn isolate_router_ids(body: &mut PlanBody) {
     let align = |x: u64| {
         x.div_ceil(flashplan_plan::validate::ARENA_ALIGN_ELEMS)
@@ -509,9 +509,9 @@ fn isolate_router_ids(body: &mut PlanBody) {
         let ids: Vec<usize> = v
             .nodes
             .iter()
-            .filter_map(|n| match &n.op {
-                Op::Router { ids, .. } => Some(ids.0 as usize),
-                _ => None,
+            .flat_map(|n| match &n.op {
+                Op::Router { ids, weights, .. } => vec![ids.0 as usize, weights.0 as usize],
+                _ => vec![],
             })
             .collect();
         let mut end = align(v.arena_elems);
@@ -531,10 +531,23 @@ fn isolate_router_ids(body: &mut PlanBody) {
         .unwrap_or(0);
 }
 
-/// One measured variant: its timing and the distinct routed experts summed over its MoE layers.
+/// One measured variant: its timing, the distinct routed experts summed over its MoE layers, and a digest of
+/// every router's ids and weights (FNV-1a over their bits, in node order): equal digests under two settings mean
+/// the same routing to the bit, and the same hidden states before every router.
 struct Meas {
     r: BenchResult,
     experts: u64,
+    digest: u64,
+}
+
+/// FNV-1a over 32-bit words, continuing from `h`.
+fn fnv1a(mut h: u64, words: impl Iterator<Item = u32>) -> u64 {
+    for w in words {
+        for b in w.to_le_bytes() {
+            h = (h ^ b as u64).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+    h
 }
 
 /// Replays `kind` once (capture, warm-up), times it, and reads back the distinct experts each router picked over
@@ -558,15 +571,20 @@ fn measure<'a>(
         let v = body.variant(kind).expect("variant");
         // Distinct experts per MoE layer, from the router ids the replay left (isolate_router_ids keeps them).
         let mut experts = 0u64;
+        let mut digest = 0xcbf2_9ce4_8422_2325u64;
         for n in &v.nodes {
             if let Op::Router {
                 ids,
+                weights,
                 topk,
                 experts: e,
                 ..
             } = &n.op
             {
                 let ids = be.read_buffer(kind, *ids)?;
+                let w = be.read_buffer(kind, *weights)?;
+                let k = (rows * *topk) as usize;
+                digest = fnv1a(digest, ids[..k].iter().chain(&w[..k]).map(|x| x.to_bits()));
                 let set: BTreeSet<u32> = ids[..(rows * *topk) as usize]
                     .iter()
                     .map(|x| x.to_bits())
@@ -579,7 +597,7 @@ fn measure<'a>(
                 experts += set.len() as u64;
             }
         }
-        slot.insert(Meas { r, experts });
+        slot.insert(Meas { r, experts, digest });
     }
     Ok(&cache[&kind])
 }
@@ -1079,6 +1097,13 @@ fn main() -> anyhow::Result<()> {
             100.0 * gbs * 1e9 / BW
         );
         profiles.push((kind, r, bytes));
+    }
+    for &kind in &kinds {
+        println!(
+            "routing digest {}: {:016x} (every router's ids and weights after the last replay)",
+            kind.name(),
+            cache[&kind].digest
+        );
     }
     let captures_shown = be.captures().len();
     for ci in be.captures() {

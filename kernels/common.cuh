@@ -39,11 +39,10 @@ DEV u32 ld_acquire_gpu(const u32* p) {
     asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
 }
-DEV void grid_barrier(u32* counter) {
+// The same barrier over a group of `blocks` blocks counting on one counter (`first`: one block of the group).
+DEV void group_barrier(u32* counter, u32 blocks, bool first) {
     __syncthreads();
     if (threadIdx.x == 0) {
-        const u32 blocks = gridDim.x * gridDim.y * gridDim.z;
-        const bool first = blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0;
         __threadfence();
         const u32 old = atomicAdd(counter, first ? 0x80000000u - (blocks - 1) : 1u);
         while (((old ^ ld_acquire_gpu(counter)) & 0x80000000u) == 0) {
@@ -51,6 +50,9 @@ DEV void grid_barrier(u32* counter) {
         __threadfence();
     }
     __syncthreads();
+}
+DEV void grid_barrier(u32* counter) {
+    group_barrier(counter, gridDim.x * gridDim.y * gridDim.z, blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0);
 }
 
 DEV float bf2f(bf16_t h) { return __uint_as_float(((u32)h) << 16); }

@@ -128,6 +128,103 @@ DEV void router_topk_warp(const FpRouter& p, u32 r, u32 lane) {
     }
 }
 
+// One row's top-k by a block of 8 warps, bit for bit router_topk_warp's: warp w takes registers j = J w .. J w + J - 1
+// of router_topk_warp's lane layout (J = NE / 8; lane l, expert 32 j + l). max: each warp's, then the warps' (the
+// same value in any order, as there). z: the same warp_sum of each j, summed in j order from 0.0f; p and the keys as
+// there. Selection: each warp takes the top-k of its 32 J experts (topk rounds over a lane's J candidates, each
+// packed as key << 32 | ~id: the larger the earlier, 0 for none), then warp 0 takes the top-k of the 8 lists: a
+// strict total order (ids differ), so the k best of the lists are the k best of all, in the same order. The rounds
+// are router_topk_warp's but over J and 8 candidates a lane instead of NE, in 8 warps at once: a shorter chain.
+DEV u64 topk_pack(u32 key, u32 id) { return ((u64)key << 32) | (u64)(~id); }
+
+// Rank t of the candidates c[0..N) of every lane (all lanes hold N), round by round: the lane's best, then the warp's
+// (the largest key, then the lowest id holding it), which leaves its lane; on_rank(t, key, id) in every lane.
+template <int N, class F>
+DEV void topk_rounds(u64 (&c)[N], u32 topk, F on_rank) {
+    static_assert(N >= 1 && (N & (N - 1)) == 0, "a tree over a power of two");
+    for (u32 t = 0; t < topk; t++) {
+        u64 b[N];
+#pragma unroll
+        for (int q = 0; q < N; q++) b[q] = c[q];
+#pragma unroll
+        for (int w = N / 2; w >= 1; w /= 2)
+#pragma unroll
+            for (int q = 0; q < w; q++) b[q] = b[q] > b[q + w] ? b[q] : b[q + w];
+        const u32 bk = (u32)(b[0] >> 32), bi = ~(u32)b[0];
+        const u32 wk = __reduce_max_sync(FULL_MASK, bk);
+        const u32 wi = __reduce_min_sync(FULL_MASK, bk == wk ? bi : 0xffffffffu);
+#pragma unroll
+        for (int q = 0; q < N; q++)
+            if (c[q] != 0 && ~(u32)c[q] == wi) c[q] = 0;
+        on_rank(t, wk, wi);
+    }
+}
+
+template <int NE>
+DEV void router_topk_block(const FpRouter& p, u32 r) {
+    constexpr int J = NE / 8;
+    __shared__ float wmax[8], zs[NE];
+    __shared__ u64 lists[8 * MOE_MAX_TOPK];
+    const u32 E = p.experts, lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const float* L = fptr(p.c.scratch) + (u64)r * E;
+    float v[J];
+#pragma unroll
+    for (int q = 0; q < J; q++) {
+        const u32 e = 32u * (J * w + q) + lane;
+        v[q] = e < E ? ld_cg(L + e) : -INFINITY;
+    }
+    float m = v[0];
+#pragma unroll
+    for (int q = 1; q < J; q++) m = fmaxf(m, v[q]);
+    m = warp_max(m);
+    if (lane == 0) wmax[w] = m;
+    __syncthreads();
+    m = wmax[0];
+    for (int i = 1; i < 8; i++) m = fmaxf(m, wmax[i]);
+    float ev[J];
+#pragma unroll
+    for (int q = 0; q < J; q++) {
+        ev[q] = 32u * (J * w + q) + lane < E ? expf(v[q] - m) : 0.0f;
+        const float s = warp_sum(ev[q]);
+        if (lane == 0) zs[J * w + q] = s;
+    }
+    __syncthreads();
+    float z = 0.0f;
+#pragma unroll
+    for (int j = 0; j < NE; j++) z += zs[j];
+    u64 c[J];
+#pragma unroll
+    for (int q = 0; q < J; q++) {
+        const u32 e = 32u * (J * w + q) + lane;
+        c[q] = e < E ? topk_pack(__float_as_uint(ev[q] / z), e) : 0;
+    }
+    topk_rounds<J>(c, p.topk, [&](u32 t, u32 k, u32 id) {
+        if (lane == 0) lists[w * p.topk + t] = id < E ? topk_pack(k, id) : 0;
+    });
+    __syncthreads();
+    if (w != 0) return;
+    u64 d[8];
+#pragma unroll
+    for (int q = 0; q < 8; q++) {
+        const u32 i = 32u * q + lane;
+        d[q] = i < 8 * p.topk ? lists[i] : 0;
+    }
+    u32 my_id = 0;
+    float my_p = 0.0f;
+    topk_rounds<8>(d, p.topk, [&](u32 t, u32 k, u32 id) {
+        if (t == lane) {
+            my_id = id;
+            my_p = __uint_as_float(k);
+        }
+    });
+    float sum = 0.0f;
+    for (u32 t = 0; t < p.topk; t++) sum += __shfl_sync(FULL_MASK, my_p, t);
+    if (lane < p.topk) {
+        uptr(p.ids)[(u64)r * p.topk + lane] = my_id;
+        fptr(p.weights)[(u64)r * p.topk + lane] = p.norm ? my_p / sum : my_p;
+    }
+}
+
 // After the logits (p.done != 0): the last block of the launch to finish does the top-k of every row (warp per
 // row); the count wraps to 0 for the next launch (graph replay). Every thread fences with `__threadfence()` (sm_90:
 // a sequentially consistent fence, MEMBAR.SC.GPU), as CUDA's threadFenceReduction sample does: the count is made by
@@ -136,6 +233,7 @@ DEV void router_topk_warp(const FpRouter& p, u32 r, u32 lane) {
 // write in the same thread. The lighter form would be cooperative groups' grid sync: a barrier, then thread 0 alone
 // fence.acq_rel, count, fence.acq_rel, then a barrier; not measured yet.) Integer count only; every logit is written by
 // one warp before its block's count, so the top-k reads each final value.
+template <bool BLK = false>
 DEV void router_last_block(const FpRouter& p, u32 R) {
     __shared__ u32 last;
     __threadfence();  // this thread's logits, device-wide, before the block's count
@@ -145,6 +243,15 @@ DEV void router_last_block(const FpRouter& p, u32 R) {
     __syncthreads();
     if (!last) return;
     __threadfence();  // every other block counted after its fence: their logits are visible from here
+    if (BLK && R == 1 && blockDim.x == 256) {
+        // One row: the block's 8 warps take its top-k together (router_topk_block).
+        if (!row_ok(p.c, 0, false)) return;
+        if (p.experts <= 16 * 32)
+            router_topk_block<16>(p, 0);
+        else
+            router_topk_block<32>(p, 0);
+        return;
+    }
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     for (u32 r = warp; r < R; r += nw) {
         if (!row_ok(p.c, r, false)) continue;
@@ -160,13 +267,13 @@ DEV void router_last_block(const FpRouter& p, u32 R) {
 // (K = 2560 at the real width) in flight at once, 8 experts a block (runtime/src/cuda/launch/moe.rs
 // `router_experts_per_block`; H200: 10.9 -> 10.6 us a node); the others a warp MOE_NPW experts, 4 chunks per row in
 // flight. An expert's logit is the same warp_dots sum either way.
-template <int T, int NPW = MOE_NPW, int U = 4, bool PRE = false>
+template <int T, int NPW = MOE_NPW, int U = 4, bool PRE = false, bool BLK = false>
 DEV void router_entry(const FpRouter& p) {
     const u32 R = p.c.nstreams * p.c.window;
     router_t<T, NPW, U, PRE>(p, R);
-    if (p.done) router_last_block(p, R);
+    if (p.done) router_last_block<BLK>(p, R);
 }
-extern "C" __global__ void router_t1(const FpRouter p) { pdl_start(); router_entry<1, 1, 10, true>(p); }
+extern "C" __global__ void router_t1(const FpRouter p) { pdl_start(); router_entry<1, 1, 10, true, true>(p); }
 extern "C" __global__ void router_t2(const FpRouter p) { pdl_start(); router_entry<2>(p); }
 extern "C" __global__ void router_t4(const FpRouter p) { pdl_start(); router_entry<4>(p); }
 extern "C" __global__ void router_t8(const FpRouter p) { pdl_start(); router_entry<8>(p); }
@@ -381,6 +488,89 @@ DEV void experts_down_t(const FpExperts& p) {
 // a quarter of the L2 traffic of hid; runtime/src/cuda/launch/moe.rs `down_features` picks one by the row count).
 extern "C" __global__ void experts_down(const FpExperts p) { pdl_start(); experts_down_t<1, 4>(p); }
 extern "C" __global__ void experts_down_f4(const FpExperts p) { pdl_start(); experts_down_t<4, 2>(p); }
+
+// ---- One row's routed experts in one launch (experts_one, then experts_combine) ----
+// EO_BLOCKS blocks take one rank i of the row. Each computes its share of hid (the gate/up warp_dots of
+// experts_gate_up: the same sums) into the scratch; the rank's blocks meet at its barrier (a counter of the node),
+// then each block does experts_down's lane-group sums (lane l8 of a group of 8: the chunks at k = 8 l8 + 64 n, n
+// ascending, then group8_sum) for its share of the down rows into part[i * D + d]; experts_combine does
+// experts_down's fmaf chain over the ranks. The same bits as experts + experts_down, without the wait for every
+// rank's gate/up before any down: a rank's down starts when its own gate/up is done. Every block must be on the GPU
+// at once (the launch checks the grid against the kernel's occupancy). Needs the vector paths (D % 8 == 0,
+// I % 8 == 0, 16-byte aligned weights) and I <= EO_MAX_INTER.
+#define EO_BLOCKS 40
+#define EO_THREADS 256  // = the launch bound
+#define EO_MAX_INTER 2048
+
+extern "C" __global__ void __launch_bounds__(256, 4) experts_one(const FpExperts p) {
+    __shared__ float hid[EO_MAX_INTER];
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    const FpCommon& c = p.c;
+    const u32 D = p.dim, I = p.inter, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 i = blockIdx.x / EO_BLOCKS, b = blockIdx.x % EO_BLOCKS;
+    const bool real = row_ok(c, 0, false);
+    const u32 e = real ? uptr(p.ids)[i] : 0;
+    const u32 dper = (D + EO_BLOCKS - 1) / EO_BLOCKS, d0 = b * dper, d1 = d0 + dper < D ? d0 + dper : D;
+    const bf16_t* dn = (const bf16_t*)p.down + (u64)e * D * I;
+    const u32 per = (I + EO_BLOCKS - 1) / EO_BLOCKS, f0 = b * per, f1 = f0 + per < I ? f0 + per : I;
+    const bf16_t* gu = (const bf16_t*)p.gate_up + (u64)e * 2 * I * D;
+    float* part = fptr(c.scratch);
+    float* hg = part + (u64)p.topk * D + (u64)i * I;  // hid of rank i
+    // Warp w takes features f0 + 2 w and f0 + 2 w + 1 (the gate and up rows of each), then 2 EO_THREADS / 32 on.
+    for (u32 q = f0 + 2 * warp; real && q < f1; q += EO_THREADS / 16) {
+        const u32 q1 = q + 1 < f1 ? q + 1 : q;
+        const bf16_t* w[4] = {gu + (u64)q * D, gu + (u64)(I + q) * D, gu + (u64)q1 * D, gu + (u64)(I + q1) * D};
+        const bool ok[1] = {true};
+        float res[4][1];
+        warp_dots<1, 4, 2>(w, 4, fptr(p.x), D, ok, D, true, lane, res);
+        if (lane == 0) {
+            hg[q] = siluf_(res[0][0]) * res[1][0];
+            if (q + 1 < f1) hg[q + 1] = siluf_(res[2][0]) * res[3][0];
+        }
+    }
+    group_barrier(uptr(p.barrier) + i, EO_BLOCKS, b == 0);
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    if (!real) return;
+    for (u32 f = threadIdx.x; f < I; f += EO_THREADS) hid[f] = __ldcg(hg + f);
+    __syncthreads();
+    // Down: a lane group of 8 per row d (experts_down's), 4 rows a warp.
+    const u32 g = lane >> 3, l8 = lane & 7;
+    for (u32 dd = d0 + 4 * warp; dd < d1; dd += EO_THREADS / 8) {
+        const u32 d = dd + g < d1 ? dd + g : dd;
+        const bf16_t* row = dn + (u64)d * I;
+        float acc = 0.0f;
+        for (u32 kb = l8 * 8; kb < I; kb += 64 * 5) {
+            uint4 wv[5];
+#pragma unroll
+            for (int u = 0; u < 5; u++) wv[u] = kb + 64 * u < I ? ldg_stream16(row + kb + 64 * u) : zero4();
+#pragma unroll
+            for (int u = 0; u < 5; u++) {
+                const u32 kk = kb + 64 * u;
+                if (kk >= I) continue;
+                float w8[8], x[8];
+                unpack8(wv[u], w8);
+                load_x8(hid + kk, true, x);
+                acc += dot8(w8, x);
+            }
+        }
+        const float t = group8_sum(acc);
+        if (l8 == 0 && dd + g < d1) part[(u64)i * D + d] = t;
+    }
+}
+
+// out[d] = experts_down's fmaf chain over the ranks of one row (from experts_one's sums) and the side branch's shared
+// expert, as there.
+extern "C" __global__ void experts_combine(const FpExperts p) {
+    pdl_start();
+    const FpCommon& c = p.c;
+    const u32 D = p.dim, d = blockIdx.x * blockDim.x + threadIdx.x;
+    if (d >= D || !row_ok(c, 0, false)) return;
+    const float* part = fptr(c.scratch);
+    float out = 0.0f;
+    for (u32 i = 0; i < p.topk; i++) out = fmaf(fptr(p.weights)[i], part[(u64)i * D + d], out);
+    if (p.shared) out = fmaf(fptr(p.shared)[0], fptr(p.shared)[1 + (u64)d], out);
+    fptr(p.out)[d] = out;
+}
 
 // hid[r, q] = silu(gate_q . x_r) * (up_q . x_r) (warp per q, all rows); warp q == inter: sg[r] = sigmoid(scale . x_r)
 // at scratch[R * inter + r].

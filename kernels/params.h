@@ -394,6 +394,7 @@ typedef struct FpExperts {
     u32 inter;
     u32 pad;
     u64 shared;
+    u64 barrier; /* experts_one: the node's counters, one u32 per item */
 } FpExperts;
 
 /* Scratch: hidden activations [rows, inter] f32, then sg [rows]. keep_dots: 0, shared_expert_down adds to out; 1,

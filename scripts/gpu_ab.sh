@@ -6,7 +6,8 @@
 #
 #   1. Here, once per version of the kernels:   bash scripts/gpu_ab.sh pack NAME
 #      builds the release example gpu_bench and compiles the kernels into their own cubin cache, both into
-#      gpu-ab/NAME.tar.xz (gpu-ab/ is ignored by git through .git/info/exclude; about 1.6 MB per build).
+#      gpu-ab/NAME.tar.xz (gpu-ab/ is ignored by git through info/exclude; about 1.6 MB per build). In a worktree of
+#      another commit (git worktree add), copy its gpu-ab/NAME.tar.xz into this tree's gpu-ab/ to run both.
 #   2. On the H200, through the device `run` tool, with carry ["gpu-ab"]:
 #                                                bash scripts/gpu_ab.sh run NAME[:MODE] [NAME[:MODE] ...]
 #      (the tree plus what travels must stay under the device copy limit: two builds at a time fit.) NAME:MODE runs
@@ -48,7 +49,9 @@ pack)
         nvrtc::tests::kernels_compile_for_sm_90a >/dev/null
     cp "${CARGO_TARGET_DIR:-target}/release/examples/gpu_bench" "$tmp/$name/gpu-bench"
     strip "$tmp/$name/gpu-bench"
-    grep -qxF "/gpu-ab/" .git/info/exclude 2>/dev/null || echo "/gpu-ab/" >>.git/info/exclude
+    exclude="$(git rev-parse --git-path info/exclude)" # .git is a file in a worktree
+    mkdir -p "$(dirname "$exclude")"
+    grep -qxF "/gpu-ab/" "$exclude" 2>/dev/null || echo "/gpu-ab/" >>"$exclude"
     mkdir -p gpu-ab
     tar cf - -C "$tmp" "$name" | xz -9 >"gpu-ab/$name.tar.xz"
     rm -rf "$tmp"

@@ -47,6 +47,8 @@ pub(super) struct Worker {
     device_sms: u32,
     /// Blocks of a grid-barrier kernel that this GPU holds at once (`launch::Addrs::barrier_blocks`).
     barrier_blocks: u32,
+    /// Blocks of `experts_one` that this GPU holds at once (`launch::Addrs::experts_one_blocks`).
+    experts_one_blocks: u32,
     /// Launch runs of sibling linears as one `linear_multi` (`FLASHPLAN_FUSE_LINEAR`, default on).
     fuse_linear: bool,
     /// Fewer launches for small ops (`FLASHPLAN_FUSE_SMALL`, default on): the router in one launch up to 8 rows,
@@ -120,7 +122,8 @@ impl Worker {
                 funcs.insert(e.clone(), f);
             }
         }
-        let barrier_blocks = barrier_blocks(&funcs, sms)?;
+        let barrier_blocks = resident_blocks(&funcs, launch::BARRIER_KERNELS, sms)?;
+        let experts_one_blocks = resident_blocks(&funcs, &["experts_one"], sms)?;
         // Weights, BF16 or MXFP8 (weights.rs), 256-byte aligned each.
         let (offsets, total) = weights::place(&weights);
         let wbuf = if total > 0 {
@@ -182,7 +185,7 @@ impl Worker {
         let mut counter_elems = 0usize;
         for v in &body.variants {
             counter_base.push(counter_elems as u64 * 4);
-            counter_elems += v.nodes.len();
+            counter_elems += v.nodes.len() * launch::NODE_COUNTERS as usize;
         }
         let counters = DevBuf::new(counter_elems.max(1) * 4)?;
         for b in &mut counter_base {
@@ -217,6 +220,7 @@ impl Worker {
             sms,
             device_sms: sms,
             barrier_blocks,
+            experts_one_blocks,
             fuse_linear,
             fuse_small,
             modules,
@@ -314,6 +318,7 @@ impl Worker {
             fuse_small: self.fuse_small,
             sms: self.sms,
             barrier_blocks: self.barrier_blocks,
+            experts_one_blocks: self.experts_one_blocks,
             side_scratch: self.side_scratch.as_ref().map_or(0, |b| b.ptr),
             side_arena: self.side_arena.as_ref().map_or(0, |b| b.ptr),
             moved: &[],
@@ -725,9 +730,13 @@ impl Worker {
 /// compiled kernel's registers and shared memory) times `sms`; 0 when the plan has none of them. A launch whose grid
 /// is larger would wait forever at its barrier, so the launches check their grid against it
 /// (`launch::Addrs::barrier_blocks`).
-fn barrier_blocks(funcs: &HashMap<String, sys::CUfunction>, sms: u32) -> Result<u32, BackendError> {
+fn resident_blocks(
+    funcs: &HashMap<String, sys::CUfunction>,
+    kernels: &[&str],
+    sms: u32,
+) -> Result<u32, BackendError> {
     let mut per_sm: Option<u32> = None;
-    for name in launch::BARRIER_KERNELS {
+    for name in kernels {
         let Some(&f) = funcs.get(*name) else { continue };
         let mut n: std::ffi::c_int = 0;
         // SAFETY: f is a function of a loaded module; n is a valid out pointer.

@@ -151,7 +151,7 @@ pub(super) fn hc_read_spec(
     let one = hc_read_one_grid(nrows, gates, outs, *rank, p.split, a.barrier_blocks)
         .filter(|_| a.fuse_small);
     if one.is_some() {
-        p.barrier = a.counters + 4 * node as u64;
+        p.barrier = node_counters(a, node);
     }
     let params = bytes(&p);
     // The read's first launch, after hc_norm when the read normalizes H itself.

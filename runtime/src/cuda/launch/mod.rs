@@ -37,8 +37,16 @@ use sample::SAMPLE_PARTS;
 
 /// The kernels with a grid barrier (common.cuh `grid_barrier`), whose whole grid must be on the GPU at once.
 pub(crate) const BARRIER_KERNELS: &[&str] = hc::HC_READ_ONE;
-/// Threads a block of every [`BARRIER_KERNELS`] kernel.
+/// Threads a block of every [`BARRIER_KERNELS`] kernel, and of `experts_one`.
 pub(crate) const BARRIER_BLOCK: u32 = 256;
+/// u32 counters of each node ([`Addrs::counters`]): `experts_one` counts one per item (4 per routed expert of a row,
+/// top-k at most 32).
+pub(crate) const NODE_COUNTERS: u32 = 128;
+
+/// The first of node `node`'s [`NODE_COUNTERS`] counters.
+pub(crate) fn node_counters(a: &Addrs, node: usize) -> u64 {
+    a.counters + 4 * NODE_COUNTERS as u64 * node as u64
+}
 
 /// Device addresses a node's parameters are bound to.
 #[derive(Clone, Copy)]
@@ -52,10 +60,10 @@ pub(crate) struct Addrs<'a> {
     pub common: FpCommon,
     pub rope: u64,
     pub rope_cfg: &'a Rope,
-    /// This variant's node counters: one u32 per node of the variant (node i at `counters + 4 i`), zeroed at
-    /// allocation; a kernel that uses its node's counter leaves it ready for the next launch (graph replays): the
-    /// router's count back at 0; the grid barrier of `hc_read_one_t*` with its low 31 bits at 0 (bit 31 flips at
-    /// every launch, common.cuh `grid_barrier`).
+    /// This variant's node counters: [`NODE_COUNTERS`] u32 per node of the variant (node i's from
+    /// [`node_counters`]), zeroed at allocation; a kernel that uses its node's counters leaves them ready for the next
+    /// launch (graph replays): the router's count back at 0; the barriers of `hc_read_one_t*` and `experts_one` with
+    /// their low 31 bits at 0 (bit 31 flips at every launch, common.cuh `group_barrier`).
     pub counters: u64,
     /// Fewer launches for the small ops (`FLASHPLAN_FUSE_SMALL`): the router in one launch up to
     /// `ROUTER_ONE_LAUNCH_ROWS` rows (its last block does the top-k), `hc_norm` in the write before it, the rest of a
@@ -67,6 +75,8 @@ pub(crate) struct Addrs<'a> {
     /// SMs, whatever `sms` a test set): a grid-barrier launch runs only with a grid up to this, else the launches it
     /// replaces run (0: never).
     pub barrier_blocks: u32,
+    /// Blocks of `experts_one` the GPU holds at once (as `barrier_blocks`): it runs only with a grid up to this.
+    pub experts_one_blocks: u32,
     /// The side branch's scratch ([`side_scratch_elems`] elements), or 0 to run every launch on the main stream.
     pub side_scratch: u64,
     /// The side arena ([`side_arena_elems`] elements) for the buffers of the PLE branch ([`branch_ple_prep`]), or 0.
@@ -236,7 +246,11 @@ pub(crate) fn scratch_elems(body: &PlanBody, op: &Op, rows: u64) -> u64 {
             let nsplit = ((*topk as u64 + 1) * *ratio as u64).div_ceil(SA_CHUNK as u64);
             rows * *heads as u64 * nsplit * (*hd as u64 + 2)
         }
-        Op::Experts { topk, inter, .. } => rows * *topk as u64 * *inter as u64,
+        // One row: experts_one's lane partials, 8 a (rank, output feature).
+        // One row: experts_one's sums (a rank and output feature), then hid.
+        Op::Experts {
+            topk, inter, dim, ..
+        } => rows * *topk as u64 * (*inter as u64 + if rows == 1 { *dim as u64 } else { 0 }),
         Op::SharedExpert { inter, .. } => rows * (*inter as u64 + 1),
         Op::Router { experts, .. } => rows * *experts as u64,
         // SamplePart (32 bytes) per (item, part); items <= rows.
@@ -336,7 +350,7 @@ fn node_spec(a: &Addrs, v: &Variant, node: usize, op: &Op) -> Result<LaunchSpec,
         | Op::SparseAttn { .. }
         | Op::IndexerCommit { .. } => attn::spec(a, v, op),
         Op::Router { .. } => router_spec(a, v, node, op),
-        Op::Experts { .. } => experts_spec(a, v, op, 0),
+        Op::Experts { .. } => experts_spec(a, v, node, op, 0),
         Op::SharedExpert { .. } => shared_expert_spec(a, v, op, None),
         Op::Sample { .. } | Op::KeepCount { .. } => sample::spec(a, v, op),
     }

@@ -61,12 +61,35 @@ pub(super) fn down_features(rows: u32) -> (&'static str, u32) {
     }
 }
 
+/// Blocks of `experts_one` a rank takes (`EO_BLOCKS` in kernels/moe.cu).
+pub(super) const EXPERTS_ONE_BLOCKS: u32 = 40;
+/// Largest intermediate size `experts_one` takes (`EO_MAX_INTER`: its shared memory).
+pub(super) const EXPERTS_ONE_MAX_INTER: u32 = 2048;
+
+/// The grid of `experts_one` for the experts of `p` over `rows` rows, when they run as `experts_one` +
+/// `experts_combine`: one row, the vector paths of `experts` and `experts_down` (dim and inter multiples of 8,
+/// 16-byte aligned weights), inter at most [`EXPERTS_ONE_MAX_INTER`], and a grid ([`EXPERTS_ONE_BLOCKS`] blocks a
+/// rank) up to `resident`, the blocks the GPU holds at once ([`Addrs::experts_one_blocks`]: its barriers wait for
+/// every block of a rank). `None`: `experts` + `experts_down` run.
+pub(super) fn experts_one_grid(p: &FpExperts, rows: u32, resident: u32) -> Option<u32> {
+    let blocks = p.topk * EXPERTS_ONE_BLOCKS;
+    (rows == 1
+        && p.dim.is_multiple_of(8)
+        && p.inter.is_multiple_of(8)
+        && p.inter <= EXPERTS_ONE_MAX_INTER
+        && p.gate_up.is_multiple_of(16)
+        && p.down.is_multiple_of(16)
+        && blocks <= resident)
+        .then_some(blocks)
+}
+
 /// The `Experts` node's launches: `experts` (the gate/up, warp per two pairs of features of a (row, rank)), then
 /// `experts_down` or `experts_down_f4` (warp per (one or four output features, row): [`down_features`]); `shared`: 0, or the side branch's shared-expert gates, its down
 /// dots following, for `experts_down` to add ([`branch_shared_experts`]).
 pub(super) fn experts_spec(
     a: &Addrs,
     v: &Variant,
+    node: usize,
     op: &Op,
     shared: u64,
 ) -> Result<LaunchSpec, BackendError> {
@@ -99,11 +122,22 @@ pub(super) fn experts_spec(
         inter: *inter,
         pad: 0,
         shared,
+        barrier: node_counters(a, node),
     };
     if *topk > MOE_MAX_TOPK {
         return Err(BackendError::Device(format!(
             "experts: top-{topk} is not supported (at most {MOE_MAX_TOPK})"
         )));
+    }
+    if let Some(one_blocks) = experts_one_grid(&p, rows, a.experts_one_blocks) {
+        // One row: the gate/up and down of every rank in one launch, then the sums.
+        return Ok(
+            LaunchSpec::new("experts_one", bytes(&p), (one_blocks, 1, 1), BARRIER_BLOCK).then(
+                "experts_combine",
+                dim.div_ceil(256),
+                256,
+            ),
+        );
     }
     // A warp of `experts` takes two pairs of features of one (row, rank).
     let items = rows as u64 * *topk as u64 * inter.div_ceil(4) as u64;
@@ -219,7 +253,7 @@ pub(super) fn branch_shared_experts(
             unreachable!("matched above")
         };
         let sg = a.side_scratch + 4 * streams as u64 * window as u64 * *inter as u64;
-        let mut ex_spec = experts_spec(a, v, experts, sg)?;
+        let mut ex_spec = experts_spec(a, v, i + 1, experts, sg)?;
         ex_spec.join_before = Some(ex_spec.then.len());
         if let Some(r) = out[i].as_mut() {
             r.side.push(side);
@@ -269,7 +303,7 @@ pub(super) fn router_spec(
         ids: a.buf(v, *ids),
         weights: a.buf(v, *weights),
         done: if one_launch {
-            a.counters + 4 * node as u64
+            node_counters(a, node)
         } else {
             0
         },

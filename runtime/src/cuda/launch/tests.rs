@@ -62,6 +62,7 @@ fn specs_of(
                 fuse_small,
                 sms,
                 barrier_blocks: 3 * sms,
+                experts_one_blocks: 4 * sms,
                 side_scratch,
                 side_arena: if side_scratch != 0 { SIDE_ARENA } else { 0 },
                 moved: &[],
@@ -185,10 +186,13 @@ fn the_shared_expert_runs_on_the_side_branch_and_experts_down_joins_it() {
             assert_eq!((sh.keep_dots, sh.c.scratch), (1, SIDE_SCRATCH));
             let experts = sp[i - 1].as_ref().expect("experts launched");
             assert_eq!(experts.join_before, Some(experts.then.len()));
-            assert_eq!(
-                experts.then.last().map(|t| t.0),
-                Some(down_features(rows as u32).0)
-            );
+            // The join comes before the launch that adds the shared expert: the down, or experts_combine at one row.
+            let last = if rows == 1 {
+                "experts_combine"
+            } else {
+                down_features(rows as u32).0
+            };
+            assert_eq!(experts.then.last().map(|t| t.0), Some(last));
             let ex: FpExperts = params_of(experts);
             assert_eq!(
                 ex.shared,
@@ -393,7 +397,11 @@ fn hc_norm_moves_into_the_write_before_a_read_of_the_same_h() {
                     };
                     assert_eq!(last, want, "{}", v.kind.name());
                     let p: FpHcRead = params_of(read);
-                    assert_eq!(p.barrier, 0x5000_0000 + 4 * i as u64, "node {i}'s counter");
+                    assert_eq!(
+                        p.barrier,
+                        0x5000_0000 + 4 * NODE_COUNTERS as u64 * i as u64,
+                        "node {i}'s counters"
+                    );
                 } else {
                     assert!(last.starts_with("hc_mix_tc_t"), "{last}");
                     let p: FpHcRead = params_of(read);
@@ -604,9 +612,10 @@ fn only_a_one_row_linear_of_many_steps_a_warp_runs_deep() {
 fn experts_grids_have_one_block_per_8_warps_of_items_and_both_down_kernels_run() {
     let mut seen = 0;
     let mut downs = std::collections::BTreeSet::new();
+    let mut ones = 0;
     for (v, sp) in tiny_specs(true) {
         let rows = v.kind.shape().0 * v.kind.shape().1;
-        for (n, s) in v.nodes.iter().zip(&sp) {
+        for (i, (n, s)) in v.nodes.iter().zip(&sp).enumerate() {
             let (
                 Op::Experts {
                     topk, dim, inter, ..
@@ -617,6 +626,24 @@ fn experts_grids_have_one_block_per_8_warps_of_items_and_both_down_kernels_run()
                 continue;
             };
             seen += 1;
+            let p: FpExperts = params_of(s);
+            assert_eq!(p.barrier, 0x5000_0000 + 4 * NODE_COUNTERS as u64 * i as u64);
+            if rows == 1 {
+                // One row: experts_one, EXPERTS_ONE_BLOCKS blocks a rank, then experts_combine, a thread per
+                // output feature.
+                assert_eq!(
+                    (s.kernel, s.grid, s.block),
+                    ("experts_one", (*topk * 40, 1, 1), (256, 1, 1)),
+                    "{}",
+                    v.kind.name()
+                );
+                assert_eq!(
+                    s.then,
+                    [("experts_combine", (dim.div_ceil(256), 1, 1), 256)]
+                );
+                ones += 1;
+                continue;
+            }
             assert_eq!(s.kernel, "experts");
             // The gate/up: a warp per two pairs of features of a (row, rank), 8 warps a block; at one row cut to
             // one wave, the blocks looping.
@@ -651,6 +678,7 @@ fn experts_grids_have_one_block_per_8_warps_of_items_and_both_down_kernels_run()
         }
     }
     assert!(seen > 0, "the tiny plan has routed experts");
+    assert!(ones > 0, "experts_one launched");
     assert_eq!(downs.len(), 2, "both down entry points launched: {downs:?}");
 }
 
@@ -678,4 +706,55 @@ fn hc_read_one_limits_match_the_kernel_defines() {
             "{name}"
         );
     }
+}
+
+#[test]
+fn experts_one_runs_only_for_one_row_on_the_vector_paths_with_its_grid_resident() {
+    let p = FpExperts {
+        gate_up: 0x1000,
+        down: 0x2000,
+        topk: 10,
+        dim: 2560,
+        inter: 640,
+        ..Default::default()
+    };
+    // The real widths at one row: 40 blocks a rank, when the GPU holds them (4 an SM on 132 SMs).
+    assert_eq!(experts_one_grid(&p, 1, 4 * 132), Some(400));
+    assert_eq!(experts_one_grid(&p, 1, 399), None, "a grid past residency");
+    assert_eq!(experts_one_grid(&p, 2, 4 * 132), None, "two rows");
+    for q in [
+        FpExperts { dim: 2564, ..p },
+        FpExperts { inter: 644, ..p },
+        FpExperts { inter: 2056, ..p },
+        FpExperts {
+            gate_up: 0x1008,
+            ..p
+        },
+        FpExperts { down: 0x2008, ..p },
+    ] {
+        assert_eq!(experts_one_grid(&q, 1, 4 * 132), None);
+    }
+}
+
+#[test]
+fn experts_one_limits_match_the_kernel_defines() {
+    // The launch's limits mirror kernels/moe.cu's: a drift would give the kernel a grid it does not cover, or hid
+    // past its shared memory.
+    let src = include_str!("../../../../kernels/moe.cu");
+    let define = |name: &str| -> u32 {
+        let line = src
+            .lines()
+            .find(|l| l.starts_with(&format!("#define {name} ")))
+            .unwrap_or_else(|| panic!("#define {name} in kernels/moe.cu"));
+        line[format!("#define {name} ").len()..]
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("{line}"))
+    };
+    assert_eq!(define("EO_BLOCKS"), EXPERTS_ONE_BLOCKS);
+    assert_eq!(define("EO_MAX_INTER"), EXPERTS_ONE_MAX_INTER);
+    assert_eq!(define("EO_THREADS"), BARRIER_BLOCK);
+    assert!(src.lines().any(|l| l.contains(" experts_one(")
+        && l.contains(&format!("__launch_bounds__({BARRIER_BLOCK},"))));
 }
