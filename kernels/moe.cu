@@ -63,6 +63,17 @@ DEV float ld_cg(const float* p) {
 // (key, id) ranks before (bk, bi): key descending, id ascending.
 DEV bool topk_before(u32 key, u32 id, u32 bk, u32 bi) { return key > bk || (key == bk && id < bi); }
 
+// Row r's top-k from one warp, lane t holding rank t's id and probability: ids, and weights renormalised over the
+// top-k (sum in rank order) when p.norm.
+DEV void topk_store(const FpRouter& p, u32 r, u32 lane, u32 my_id, float my_p) {
+    float sum = 0.0f;
+    for (u32 t = 0; t < p.topk; t++) sum += __shfl_sync(FULL_MASK, my_p, t);
+    if (lane < p.topk) {
+        uptr(p.ids)[(u64)r * p.topk + lane] = my_id;
+        fptr(p.weights)[(u64)r * p.topk + lane] = p.norm ? my_p / sum : my_p;
+    }
+}
+
 // The top-k of row r by one warp, bit for bit the values of router_topk (block of ROUTER_TOPK_THREADS threads,
 // thread e = expert e): lane l holds experts e = 32 j + l (j < NE, NE * 32 >= experts), so register j of the warp is
 // router_topk's warp j. max: the largest logit, the value router_topk's block_max finds (a maximum does not depend
@@ -120,12 +131,7 @@ DEV void router_topk_warp(const FpRouter& p, u32 r, u32 lane) {
             my_p = __uint_as_float(bk);
         }
     }
-    float sum = 0.0f;
-    for (u32 t = 0; t < p.topk; t++) sum += __shfl_sync(FULL_MASK, my_p, t);
-    if (lane < p.topk) {
-        uptr(p.ids)[(u64)r * p.topk + lane] = my_id;
-        fptr(p.weights)[(u64)r * p.topk + lane] = p.norm ? my_p / sum : my_p;
-    }
+    topk_store(p, r, lane, my_id, my_p);
 }
 
 // One row's top-k by a block of 8 warps, bit for bit router_topk_warp's: warp w takes registers j = J w .. J w + J - 1
@@ -217,12 +223,7 @@ DEV void router_topk_block(const FpRouter& p, u32 r) {
             my_p = __uint_as_float(k);
         }
     });
-    float sum = 0.0f;
-    for (u32 t = 0; t < p.topk; t++) sum += __shfl_sync(FULL_MASK, my_p, t);
-    if (lane < p.topk) {
-        uptr(p.ids)[(u64)r * p.topk + lane] = my_id;
-        fptr(p.weights)[(u64)r * p.topk + lane] = p.norm ? my_p / sum : my_p;
-    }
+    topk_store(p, r, lane, my_id, my_p);
 }
 
 // After the logits (p.done != 0): the last block of the launch to finish does the top-k of every row (warp per

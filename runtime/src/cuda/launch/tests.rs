@@ -682,20 +682,24 @@ fn experts_grids_have_one_block_per_8_warps_of_items_and_both_down_kernels_run()
     assert_eq!(downs.len(), 2, "both down entry points launched: {downs:?}");
 }
 
+/// The value of `#define NAME VALUE` in a kernel source (a number, then at most a comment).
+fn kernel_define(src: &str, name: &str) -> u32 {
+    let line = src
+        .lines()
+        .find(|l| l.starts_with(&format!("#define {name} ")))
+        .unwrap_or_else(|| panic!("#define {name} in the kernel source"));
+    line[format!("#define {name} ").len()..]
+        .split_whitespace()
+        .next()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("{line}: not a number"))
+}
+
 #[test]
 fn hc_read_one_limits_match_the_kernel_defines() {
     // The launch's limits mirror kernels/norm.cu's array sizes: a drift would let the kernel run past them.
     let src = include_str!("../../../../kernels/norm.cu");
-    let define = |name: &str| -> u32 {
-        let line = src
-            .lines()
-            .find(|l| l.starts_with(&format!("#define {name} ")))
-            .unwrap_or_else(|| panic!("#define {name} in kernels/norm.cu"));
-        line[format!("#define {name} ").len()..]
-            .trim()
-            .parse()
-            .unwrap_or_else(|e| panic!("{line}: {e}"))
-    };
+    let define = |name: &str| kernel_define(src, name);
     assert_eq!(define("HC_ONE_U"), HC_ONE_CHUNKS);
     assert_eq!(define("HC_ONE_STEPS"), HC_ONE_STEPS);
     // Every entry point the launch names is in the kernel file, under the barrier kernels' block size.
@@ -741,17 +745,7 @@ fn experts_one_limits_match_the_kernel_defines() {
     // The launch's limits mirror kernels/moe.cu's: a drift would give the kernel a grid it does not cover, or hid
     // past its shared memory.
     let src = include_str!("../../../../kernels/moe.cu");
-    let define = |name: &str| -> u32 {
-        let line = src
-            .lines()
-            .find(|l| l.starts_with(&format!("#define {name} ")))
-            .unwrap_or_else(|| panic!("#define {name} in kernels/moe.cu"));
-        line[format!("#define {name} ").len()..]
-            .split_whitespace()
-            .next()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| panic!("{line}"))
-    };
+    let define = |name: &str| kernel_define(src, name);
     assert_eq!(define("EO_BLOCKS"), EXPERTS_ONE_BLOCKS);
     assert_eq!(define("EO_MAX_INTER"), EXPERTS_ONE_MAX_INTER);
     assert_eq!(define("EO_THREADS"), BARRIER_BLOCK);
