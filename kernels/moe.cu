@@ -7,11 +7,12 @@
 // - experts (warp per (two pairs of intermediate features, row, rank), feature-major: silu(gate x) * up x into
 //   scratch) then experts_down or experts_down_f4 (warp per (one or four output features, row): four groups of 8
 //   lanes take the ranks, summed in rank order); feature-major, so rows routed to one expert read its rows side by
-//   side (the repeats from L2);
+//   side (the repeats from L2); at one row (FLASHPLAN_FUSE_SMALL) experts_one then experts_combine instead, the same
+//   sums with a barrier per rank between its gate/up and its down (below);
 // - shared_expert (warp per intermediate feature, tiles of at most 4 rows over blockIdx.y; the sigmoid gate by one
 //   more warp) then shared_expert_down (warp per 2 output features; out = fmaf(gate, down, out)). On the graph's side
 //   branch (runtime/src/cuda/launch/moe.rs `branch_shared_experts`) both run beside the router and the experts' gate/up,
-//   and experts_down adds the shared expert's dots with the same fmaf.
+//   and experts_down (experts_combine) adds the shared expert's dots with the same fmaf.
 // The routed experts are chosen on the device, so one graph serves any routing. Every value's reduction order is
 // fixed by the kernel (lane order, fixed trees, ranks in order): row invariant.
 #include "common.cuh"
@@ -134,13 +135,7 @@ DEV void router_topk_warp(const FpRouter& p, u32 r, u32 lane) {
     topk_store(p, r, lane, my_id, my_p);
 }
 
-// One row's top-k by a block of 8 warps, bit for bit router_topk_warp's: warp w takes registers j = J w .. J w + J - 1
-// of router_topk_warp's lane layout (J = NE / 8; lane l, expert 32 j + l). max: each warp's, then the warps' (the
-// same value in any order, as there). z: the same warp_sum of each j, summed in j order from 0.0f; p and the keys as
-// there. Selection: each warp takes the top-k of its 32 J experts (topk rounds over a lane's J candidates, each
-// packed as key << 32 | ~id: the larger the earlier, 0 for none), then warp 0 takes the top-k of the 8 lists: a
-// strict total order (ids differ), so the k best of the lists are the k best of all, in the same order. The rounds
-// are router_topk_warp's but over J and 8 candidates a lane instead of NE, in 8 warps at once: a shorter chain.
+// A candidate of router_topk_block: its key above its id's complement (the larger the earlier; 0 for none).
 DEV u64 topk_pack(u32 key, u32 id) { return ((u64)key << 32) | (u64)(~id); }
 
 // Rank t of the candidates c[0..N) of every lane (all lanes hold N), round by round: the lane's best, then the warp's
@@ -166,6 +161,13 @@ DEV void topk_rounds(u64 (&c)[N], u32 topk, F on_rank) {
     }
 }
 
+// One row's top-k by a block of 8 warps, bit for bit router_topk_warp's: warp w takes registers j = J w .. J w + J - 1
+// of router_topk_warp's lane layout (J = NE / 8; lane l, expert 32 j + l). max: each warp's, then the warps' (the
+// same value in any order, as there). z: the same warp_sum of each j, summed in j order from 0.0f; p and the keys as
+// there. Selection: each warp takes the top-k of its 32 J experts (topk rounds over a lane's J candidates, each
+// packed as key << 32 | ~id: the larger the earlier, 0 for none), then warp 0 takes the top-k of the 8 lists: a
+// strict total order (ids differ), so the k best of the lists are the k best of all, in the same order. The rounds
+// are router_topk_warp's but over J and 8 candidates a lane instead of NE, in 8 warps at once: a shorter chain.
 template <int NE>
 DEV void router_topk_block(const FpRouter& p, u32 r) {
     constexpr int J = NE / 8;
@@ -504,7 +506,7 @@ extern "C" __global__ void experts_down_f4(const FpExperts p) { pdl_start(); exp
 #define EO_MAX_INTER 2048
 
 extern "C" __global__ void __launch_bounds__(256, 4) experts_one(const FpExperts p) {
-    __shared__ float hid[EO_MAX_INTER];
+    __shared__ __align__(16) float hid[EO_MAX_INTER];  // read 16 bytes at a time (load_x8)
     asm volatile("griddepcontrol.wait;" ::: "memory");
     const FpCommon& c = p.c;
     const u32 D = p.dim, I = p.inter, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

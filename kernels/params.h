@@ -378,9 +378,10 @@ typedef struct FpRouter {
     u32 norm;
 } FpRouter;
 
-/* Scratch: hidden activations [rows, topk * inter] f32. shared: 0, or the shared expert of the same rows run on
-   the side branch (FpSharedExpert.keep_dots): its gates sg[rows] then its down dots [rows, dim] f32, which
-   experts_down adds: out = fmaf(sg, dot, routed), as shared_expert_down does in place otherwise. */
+/* Scratch: hidden activations [rows, topk * inter] f32 (experts_one: its rank sums [topk, dim], then hid
+   [topk, inter]). shared: 0, or the shared expert of the same rows run on the side branch
+   (FpSharedExpert.keep_dots): its gates sg[rows] then its down dots [rows, dim] f32, which experts_down (or
+   experts_combine) adds: out = fmaf(sg, dot, routed), as shared_expert_down does in place otherwise. */
 typedef struct FpExperts {
     FpCommon c;
     u64 x;
@@ -394,7 +395,7 @@ typedef struct FpExperts {
     u32 inter;
     u32 pad;
     u64 shared;
-    u64 barrier; /* experts_one: the node's counters, one u32 per item */
+    u64 barrier; /* experts_one: the node's counters, one u32 per rank */
 } FpExperts;
 
 /* Scratch: hidden activations [rows, inter] f32, then sg [rows]. keep_dots: 0, shared_expert_down adds to out; 1,

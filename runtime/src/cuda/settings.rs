@@ -42,9 +42,10 @@ pub(super) fn fuse_linear_setting() -> Result<bool, BackendError> {
 
 /// `FLASHPLAN_FUSE_SMALL`: `1` (default) launches the router as one kernel up to 8 rows (the logits launch's last
 /// block does the top-k), a hyper-connection read's `hc_norm` inside the `hc_write` before it
-/// (`launch::hc::fuse_hc_norm`) and the rest of the read up to 4 rows as one grid-barrier kernel (`hc_read_one_t*`);
-/// `0` launches router_topk, hc_norm, hc_read, hc_mix_split and hc_mix_tc on their own (for comparison; the results
-/// are the same bits).
+/// (`launch::hc::fuse_hc_norm`), the rest of the read up to 4 rows as one grid-barrier kernel (`hc_read_one_t*`) and
+/// one row's routed experts as one kernel with a barrier per rank (`experts_one`, then `experts_combine`); `0`
+/// launches router_topk, hc_norm, hc_read, hc_mix_split, hc_mix_tc, experts and experts_down on their own (for
+/// comparison; the results are the same bits).
 pub(super) fn fuse_small_setting() -> Result<bool, BackendError> {
     switch_setting("FLASHPLAN_FUSE_SMALL", "fewer launches for small ops", true)
 }

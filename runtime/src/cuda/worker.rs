@@ -179,8 +179,8 @@ impl Worker {
             None | Some(0) => None,
             Some(n) => Some(DevBuf::new(n as usize * 4)?),
         };
-        // One u32 counter per node of every variant, zeroed here (before any graph is captured); the kernels that
-        // count in theirs leave it 0 after every launch.
+        // launch::NODE_COUNTERS u32 counters per node of every variant, zeroed here (before any graph is captured);
+        // the kernels that count in theirs leave them ready for the next launch (launch::Addrs::counters).
         let mut counter_base = Vec::with_capacity(body.variants.len());
         let mut counter_elems = 0usize;
         for v in &body.variants {
@@ -725,11 +725,11 @@ impl Worker {
     }
 }
 
-/// Blocks of the grid-barrier kernels (`launch::BARRIER_KERNELS`, blocks of `launch::BARRIER_BLOCK` threads) that
-/// this GPU holds at once: the least of their occupancies (`cuOccupancyMaxActiveBlocksPerMultiprocessor`, from each
-/// compiled kernel's registers and shared memory) times `sms`; 0 when the plan has none of them. A launch whose grid
-/// is larger would wait forever at its barrier, so the launches check their grid against it
-/// (`launch::Addrs::barrier_blocks`).
+/// Blocks of `kernels` (barrier kernels with blocks of `launch::BARRIER_BLOCK` threads: `launch::BARRIER_KERNELS`,
+/// or `experts_one`) that this GPU holds at once: the least of their occupancies
+/// (`cuOccupancyMaxActiveBlocksPerMultiprocessor`, from each compiled kernel's registers and shared memory) times
+/// `sms`; 0 when the plan has none of them. A launch whose grid is larger could wait forever at a barrier, so the
+/// launches check their grid against it (`launch::Addrs::barrier_blocks`, `launch::Addrs::experts_one_blocks`).
 fn resident_blocks(
     funcs: &HashMap<String, sys::CUfunction>,
     kernels: &[&str],

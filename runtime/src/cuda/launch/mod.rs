@@ -39,9 +39,9 @@ use sample::SAMPLE_PARTS;
 pub(crate) const BARRIER_KERNELS: &[&str] = hc::HC_READ_ONE;
 /// Threads a block of every [`BARRIER_KERNELS`] kernel, and of `experts_one`.
 pub(crate) const BARRIER_BLOCK: u32 = 256;
-/// u32 counters of each node ([`Addrs::counters`]): `experts_one` counts one per item (4 per routed expert of a row,
-/// top-k at most 32).
-pub(crate) const NODE_COUNTERS: u32 = 128;
+/// u32 counters of each node ([`Addrs::counters`]): `experts_one` takes one per rank of its row (top-k at most
+/// `MOE_MAX_TOPK` = 32); the other kernels one.
+pub(crate) const NODE_COUNTERS: u32 = 32;
 
 /// The first of node `node`'s [`NODE_COUNTERS`] counters.
 pub(crate) fn node_counters(a: &Addrs, node: usize) -> u64 {
@@ -75,7 +75,8 @@ pub(crate) struct Addrs<'a> {
     /// SMs, whatever `sms` a test set): a grid-barrier launch runs only with a grid up to this, else the launches it
     /// replaces run (0: never).
     pub barrier_blocks: u32,
-    /// Blocks of `experts_one` the GPU holds at once (as `barrier_blocks`): it runs only with a grid up to this.
+    /// Blocks of `experts_one` the GPU holds at once (its occupancy times the SMs, as `barrier_blocks`): it runs only
+    /// with a grid up to this, else `experts` and `experts_down` run (0: never).
     pub experts_one_blocks: u32,
     /// The side branch's scratch ([`side_scratch_elems`] elements), or 0 to run every launch on the main stream.
     pub side_scratch: u64,
@@ -246,8 +247,7 @@ pub(crate) fn scratch_elems(body: &PlanBody, op: &Op, rows: u64) -> u64 {
             let nsplit = ((*topk as u64 + 1) * *ratio as u64).div_ceil(SA_CHUNK as u64);
             rows * *heads as u64 * nsplit * (*hd as u64 + 2)
         }
-        // One row: experts_one's lane partials, 8 a (rank, output feature).
-        // One row: experts_one's sums (a rank and output feature), then hid.
+        // One row: experts_one's sums [topk, dim], then hid [topk, inter].
         Op::Experts {
             topk, inter, dim, ..
         } => rows * *topk as u64 * (*inter as u64 + if rows == 1 { *dim as u64 } else { 0 }),
@@ -327,8 +327,8 @@ pub(crate) fn side_scratch_elems(body: &PlanBody, op: &Op, rows: u64) -> u64 {
     }
 }
 
-/// Parameters and launch shape of node `node` (index in the variant; its counter is at `a.counters + 4 node`), from
-/// the module of its op's family.
+/// Parameters and launch shape of node `node` (index in the variant; its counters from [`node_counters`]), from the
+/// module of its op's family.
 fn node_spec(a: &Addrs, v: &Variant, node: usize, op: &Op) -> Result<LaunchSpec, BackendError> {
     match op {
         Op::EmbedStreams { .. }

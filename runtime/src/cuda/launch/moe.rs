@@ -29,7 +29,7 @@ const ROUTER_TOPK_THREADS: u32 = 1024;
 const ROUTER_ONE_LAUNCH_ROWS: u32 = 8;
 
 /// Most routed experts per row (`MOE_MAX_TOPK` in `kernels/moe.cu`).
-const MOE_MAX_TOPK: u32 = 32;
+pub(super) const MOE_MAX_TOPK: u32 = 32;
 
 /// Router experts per block of 8 warps for the logits entry point `logits` (kernels/moe.cu): a warp takes one
 /// expert in `router_t1`, `MOE_NPW` = 2 in the others.
@@ -67,13 +67,21 @@ pub(super) const EXPERTS_ONE_BLOCKS: u32 = 40;
 pub(super) const EXPERTS_ONE_MAX_INTER: u32 = 2048;
 
 /// The grid of `experts_one` for the experts of `p` over `rows` rows, when they run as `experts_one` +
-/// `experts_combine`: one row, the vector paths of `experts` and `experts_down` (dim and inter multiples of 8,
-/// 16-byte aligned weights), inter at most [`EXPERTS_ONE_MAX_INTER`], and a grid ([`EXPERTS_ONE_BLOCKS`] blocks a
-/// rank) up to `resident`, the blocks the GPU holds at once ([`Addrs::experts_one_blocks`]: its barriers wait for
-/// every block of a rank). `None`: `experts` + `experts_down` run.
-pub(super) fn experts_one_grid(p: &FpExperts, rows: u32, resident: u32) -> Option<u32> {
+/// `experts_combine`: with `fuse_small` (`FLASHPLAN_FUSE_SMALL`), one row, at least one rank, the vector paths of
+/// `experts` and `experts_down` (dim and inter multiples of 8, 16-byte aligned weights), inter at most
+/// [`EXPERTS_ONE_MAX_INTER`], and a grid ([`EXPERTS_ONE_BLOCKS`] blocks a rank) up to `resident`, the blocks the GPU
+/// holds at once ([`Addrs::experts_one_blocks`]: its barriers wait for every block of a rank). `None`: `experts` +
+/// `experts_down` run.
+pub(super) fn experts_one_grid(
+    p: &FpExperts,
+    rows: u32,
+    fuse_small: bool,
+    resident: u32,
+) -> Option<u32> {
     let blocks = p.topk * EXPERTS_ONE_BLOCKS;
-    (rows == 1
+    (fuse_small
+        && rows == 1
+        && p.topk > 0
         && p.dim.is_multiple_of(8)
         && p.inter.is_multiple_of(8)
         && p.inter <= EXPERTS_ONE_MAX_INTER
@@ -83,9 +91,11 @@ pub(super) fn experts_one_grid(p: &FpExperts, rows: u32, resident: u32) -> Optio
         .then_some(blocks)
 }
 
-/// The `Experts` node's launches: `experts` (the gate/up, warp per two pairs of features of a (row, rank)), then
-/// `experts_down` or `experts_down_f4` (warp per (one or four output features, row): [`down_features`]); `shared`: 0, or the side branch's shared-expert gates, its down
-/// dots following, for `experts_down` to add ([`branch_shared_experts`]).
+/// The `Experts` node's launches (`node`: its index, for its counters): `experts` (the gate/up, warp per two pairs of
+/// features of a (row, rank)), then `experts_down` or `experts_down_f4` (warp per (one or four output features, row):
+/// [`down_features`]); or at one row `experts_one` then `experts_combine` ([`experts_one_grid`]). `shared`: 0, or
+/// the side branch's shared-expert gates, its down dots following, for the last launch to add
+/// ([`branch_shared_experts`]).
 pub(super) fn experts_spec(
     a: &Addrs,
     v: &Variant,
@@ -129,7 +139,7 @@ pub(super) fn experts_spec(
             "experts: top-{topk} is not supported (at most {MOE_MAX_TOPK})"
         )));
     }
-    if let Some(one_blocks) = experts_one_grid(&p, rows, a.experts_one_blocks) {
+    if let Some(one_blocks) = experts_one_grid(&p, rows, a.fuse_small, a.experts_one_blocks) {
         // One row: the gate/up and down of every rank in one launch, then the sums.
         return Ok(
             LaunchSpec::new("experts_one", bytes(&p), (one_blocks, 1, 1), BARRIER_BLOCK).then(
@@ -160,8 +170,8 @@ pub(super) fn experts_spec(
 }
 
 /// The `SharedExpert` node's launches: the gate/up (warp per intermediate feature, row tiles over `blockIdx.y`),
-/// then the down. `side`: the side branch's scratch, where the launches keep their down dots for `experts_down`
-/// ([`branch_shared_experts`]); `None`: the node's own launches on the main stream, adding to `out`.
+/// then the down. `side`: the side branch's scratch, where the launches keep their down dots for `experts_down` or
+/// `experts_combine` ([`branch_shared_experts`]); `None`: the node's own launches on the main stream, adding to `out`.
 pub(super) fn shared_expert_spec(
     a: &Addrs,
     v: &Variant,
@@ -214,10 +224,10 @@ pub(super) fn shared_expert_spec(
 /// The shared expert on a side branch of the graph: wherever a `Router`, its `Experts` and a `SharedExpert` of the
 /// same input and output follow each other, the shared expert's two launches fork onto the side stream at the
 /// router's node (after the launch that wrote x), with their scratch in the side scratch, and leave their down dots
-/// there (`keep_dots`); `experts_down` waits for them and adds them (`FpExperts::shared`: `fmaf(sg, dot, routed)`,
-/// the fmaf `shared_expert_down` does in place otherwise, so the bits are the same). The shared expert (latency
-/// bound at one row: 9.8 MB of weights at the real width) then runs while the router picks the experts. The
-/// `SharedExpert` node gets no launch of its own.
+/// there (`keep_dots`); `experts_down` (or `experts_combine`) waits for them and adds them (`FpExperts::shared`:
+/// `fmaf(sg, dot, routed)`, the fmaf `shared_expert_down` does in place otherwise, so the bits are the same). The
+/// shared expert (latency bound at one row: 9.8 MB of weights at the real width) then runs while the router picks
+/// the experts. The `SharedExpert` node gets no launch of its own.
 pub(super) fn branch_shared_experts(
     a: &Addrs,
     v: &Variant,
@@ -313,8 +323,8 @@ pub(super) fn router_spec(
         norm: *norm as u32,
     };
     Ok(if one_launch {
-        // The logits launch's last block does the top-k (warp per row), counting in the node's counter (one grid
-        // row: the count is over gridDim.x blocks).
+        // The logits launch's last block does the top-k (warp per row; at one row all its warps), counting in the
+        // node's counter (one grid row: the count is over gridDim.x blocks).
         let logits = by_rows(ROUTER, rows);
         one(
             logits,

@@ -612,8 +612,9 @@ fn only_a_one_row_linear_of_many_steps_a_warp_runs_deep() {
 fn experts_grids_have_one_block_per_8_warps_of_items_and_both_down_kernels_run() {
     let mut seen = 0;
     let mut downs = std::collections::BTreeSet::new();
-    let mut ones = 0;
-    for (v, sp) in tiny_specs(true) {
+    let (mut ones, mut one_row_old) = (0, 0);
+    let body = crate::cuda::fuse::tests::tiny_plan();
+    for (v, sp) in tiny_specs(true).into_iter().chain(tiny_specs(false)) {
         let rows = v.kind.shape().0 * v.kind.shape().1;
         for (i, (n, s)) in v.nodes.iter().zip(&sp).enumerate() {
             let (
@@ -628,9 +629,10 @@ fn experts_grids_have_one_block_per_8_warps_of_items_and_both_down_kernels_run()
             seen += 1;
             let p: FpExperts = params_of(s);
             assert_eq!(p.barrier, 0x5000_0000 + 4 * NODE_COUNTERS as u64 * i as u64);
-            if rows == 1 {
-                // One row: experts_one, EXPERTS_ONE_BLOCKS blocks a rank, then experts_combine, a thread per
-                // output feature.
+            if s.kernel == "experts_one" {
+                // One row (FLASHPLAN_FUSE_SMALL): experts_one, EXPERTS_ONE_BLOCKS blocks a rank, then
+                // experts_combine, a thread per output feature; the scratch holds its rank sums and hid.
+                assert_eq!(rows, 1, "{}", v.kind.name());
                 assert_eq!(
                     (s.kernel, s.grid, s.block),
                     ("experts_one", (*topk * 40, 1, 1), (256, 1, 1)),
@@ -641,10 +643,14 @@ fn experts_grids_have_one_block_per_8_warps_of_items_and_both_down_kernels_run()
                     s.then,
                     [("experts_combine", (dim.div_ceil(256), 1, 1), 256)]
                 );
+                assert!(scratch_elems(&body, &n.op, 1) >= (*topk * (dim + inter)) as u64);
                 ones += 1;
                 continue;
             }
             assert_eq!(s.kernel, "experts");
+            if rows == 1 {
+                one_row_old += 1;
+            }
             // The gate/up: a warp per two pairs of features of a (row, rank), 8 warps a block; at one row cut to
             // one wave, the blocks looping.
             let warps = rows * topk * inter.div_ceil(4);
@@ -679,6 +685,10 @@ fn experts_grids_have_one_block_per_8_warps_of_items_and_both_down_kernels_run()
     }
     assert!(seen > 0, "the tiny plan has routed experts");
     assert!(ones > 0, "experts_one launched");
+    assert!(
+        one_row_old > 0,
+        "experts at one row with FLASHPLAN_FUSE_SMALL=0"
+    );
     assert_eq!(downs.len(), 2, "both down entry points launched: {downs:?}");
 }
 
@@ -723,10 +733,20 @@ fn experts_one_runs_only_for_one_row_on_the_vector_paths_with_its_grid_resident(
         ..Default::default()
     };
     // The real widths at one row: 40 blocks a rank, when the GPU holds them (4 an SM on 132 SMs).
-    assert_eq!(experts_one_grid(&p, 1, 4 * 132), Some(400));
-    assert_eq!(experts_one_grid(&p, 1, 399), None, "a grid past residency");
-    assert_eq!(experts_one_grid(&p, 2, 4 * 132), None, "two rows");
+    assert_eq!(experts_one_grid(&p, 1, true, 4 * 132), Some(400));
+    assert_eq!(
+        experts_one_grid(&p, 1, true, 399),
+        None,
+        "a grid past residency"
+    );
+    assert_eq!(
+        experts_one_grid(&p, 1, false, 4 * 132),
+        None,
+        "FLASHPLAN_FUSE_SMALL=0"
+    );
+    assert_eq!(experts_one_grid(&p, 2, true, 4 * 132), None, "two rows");
     for q in [
+        FpExperts { topk: 0, ..p },
         FpExperts { dim: 2564, ..p },
         FpExperts { inter: 644, ..p },
         FpExperts { inter: 2056, ..p },
@@ -736,8 +756,10 @@ fn experts_one_runs_only_for_one_row_on_the_vector_paths_with_its_grid_resident(
         },
         FpExperts { down: 0x2008, ..p },
     ] {
-        assert_eq!(experts_one_grid(&q, 1, 4 * 132), None);
+        assert_eq!(experts_one_grid(&q, 1, true, 4 * 132), None);
     }
+    // Its barriers take one node counter per rank, and its scratch holds the rank sums and hid.
+    assert!(MOE_MAX_TOPK <= NODE_COUNTERS);
 }
 
 #[test]
