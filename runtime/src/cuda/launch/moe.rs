@@ -29,7 +29,7 @@ const ROUTER_TOPK_THREADS: u32 = 1024;
 const ROUTER_ONE_LAUNCH_ROWS: u32 = 8;
 
 /// Most routed experts per row (`MOE_MAX_TOPK` in `kernels/moe.cu`).
-pub(super) const MOE_MAX_TOPK: u32 = 32;
+const MOE_MAX_TOPK: u32 = 32;
 
 /// Router experts per block of 8 warps for the logits entry point `logits` (kernels/moe.cu): a warp takes one
 /// expert in `router_t1`, `MOE_NPW` = 2 in the others.
@@ -65,6 +65,8 @@ pub(super) fn down_features(rows: u32) -> (&'static str, u32) {
 pub(super) const EXPERTS_ONE_BLOCKS: u32 = 40;
 /// Largest intermediate size `experts_one` takes (`EO_MAX_INTER`: its shared memory).
 pub(super) const EXPERTS_ONE_MAX_INTER: u32 = 2048;
+// experts_one's barriers take one node counter per rank.
+const _: () = assert!(MOE_MAX_TOPK <= NODE_COUNTERS);
 
 /// The grid of `experts_one` for the experts of `p` over `rows` rows, when they run as `experts_one` +
 /// `experts_combine`: with `fuse_small` (`FLASHPLAN_FUSE_SMALL`), one row, at least one rank, the vector paths of

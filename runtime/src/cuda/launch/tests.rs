@@ -758,8 +758,6 @@ fn experts_one_runs_only_for_one_row_on_the_vector_paths_with_its_grid_resident(
     ] {
         assert_eq!(experts_one_grid(&q, 1, true, 4 * 132), None);
     }
-    // Its barriers take one node counter per rank, and its scratch holds the rank sums and hid.
-    assert!(MOE_MAX_TOPK <= NODE_COUNTERS);
 }
 
 #[test]
