@@ -440,4 +440,16 @@ typedef struct FpReadFloor {
     u32 pad;
 } FpReadFloor;
 
+/* l2_prefetch: brings up to L2_PREFETCH_RANGES byte ranges (16-byte aligned starts; each length rounded down to a
+   multiple of 16) into L2 with bulk prefetches of at most L2_PREFETCH_CHUNK bytes; reads nothing into registers,
+   writes nothing. */
+#define L2_PREFETCH_RANGES 12
+#define L2_PREFETCH_CHUNK 65536
+typedef struct FpL2Prefetch {
+    u64 ptr[L2_PREFETCH_RANGES];
+    u64 bytes[L2_PREFETCH_RANGES];
+    u32 n;
+    u32 pad;
+} FpL2Prefetch;
+
 #endif

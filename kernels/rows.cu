@@ -100,3 +100,23 @@ extern "C" __global__ void __launch_bounds__(256, 8) read_floor(const FpReadFloo
     }
     if (fold == p.never) uptr(p.out)[0] = fold;
 }
+
+// Brings the weights a later launch reads into L2 while the launches before it are bound by latency, not DRAM (the
+// side launches of `launch::branch_prefetch`). Bulk prefetches (sm_90 `cp.async.bulk.prefetch.L2`) of up to
+// L2_PREFETCH_CHUNK bytes, the chunks of all ranges spread over the grid's threads; nothing is read into registers
+// or written, so it never changes a value: at worst the lines are evicted before their use.
+extern "C" __global__ void l2_prefetch(const FpL2Prefetch p) {
+    const u64 t = (u64)blockIdx.x * blockDim.x + threadIdx.x, threads = (u64)gridDim.x * blockDim.x;
+    u64 first = 0;  // the first chunk index of range r over all ranges
+    for (u32 r = 0; r < p.n && r < L2_PREFETCH_RANGES; r++) {
+        const u64 bytes = p.bytes[r] & ~(u64)15, chunks = (bytes + L2_PREFETCH_CHUNK - 1) / L2_PREFETCH_CHUNK;
+        // This thread's chunks of range r: global indices t, t + threads, ... that fall in [first, first + chunks).
+        u64 g = t >= first ? t : t + (first - t + threads - 1) / threads * threads;
+        for (; g < first + chunks; g += threads) {
+            const u64 off = (g - first) * L2_PREFETCH_CHUNK;
+            const u64 len = bytes - off < L2_PREFETCH_CHUNK ? bytes - off : L2_PREFETCH_CHUNK;
+            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p.ptr[r] + off), "r"((u32)len) : "memory");
+        }
+        first += chunks;
+    }
+}

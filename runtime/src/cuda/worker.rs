@@ -60,6 +60,11 @@ pub(super) struct Worker {
     fork: Event,
     join: Event,
     side: Arc<CudaStream>,
+    /// The prefetch branch (`launch::LaunchSpec::prefetch`): its stream, its fork and its one join at the end of
+    /// a graph.
+    prefetch: Arc<CudaStream>,
+    prefetch_fork: Event,
+    prefetch_join: Event,
     stream: Arc<CudaStream>,
     ctx: Arc<CudaContext>,
 }
@@ -104,6 +109,8 @@ impl Worker {
         let stream = ctx.new_stream().map_err(dev_err("stream"))?;
         let side = ctx.new_stream().map_err(dev_err("stream"))?;
         let (fork, join) = (Event::untimed()?, Event::untimed()?);
+        let prefetch = ctx.new_stream().map_err(dev_err("stream"))?;
+        let (prefetch_fork, prefetch_join) = (Event::untimed()?, Event::untimed()?);
         // Modules and functions.
         let mut modules = Vec::new();
         let mut funcs = HashMap::new();
@@ -228,6 +235,9 @@ impl Worker {
             fork,
             join,
             side,
+            prefetch,
+            prefetch_fork,
+            prefetch_join,
             stream,
             ctx,
         })
@@ -321,6 +331,7 @@ impl Worker {
             experts_one_blocks: self.experts_one_blocks,
             side_scratch: self.side_scratch.as_ref().map_or(0, |b| b.ptr),
             side_arena: self.side_arena.as_ref().map_or(0, |b| b.ptr),
+            prefetch_budget: launch::prefetch_budget(v.kind.shape().0 * v.kind.shape().1),
             moved: &[],
         };
         launch::specs(&a, v, self.fuse_linear)
@@ -331,6 +342,22 @@ impl Worker {
     /// only (a wait on the join event outside a capture would wait for a stale record).
     fn launch(&self, sp: &launch::LaunchSpec, branches: bool) -> Result<(), BackendError> {
         let (main, side) = (self.cu(), self.side.cu_stream());
+        if branches && !sp.prefetch.is_empty() {
+            let pf = self.prefetch.cu_stream();
+            // SAFETY: events and streams are valid; the prefetch stream is in this capture from here on.
+            unsafe {
+                result::event::record(self.prefetch_fork.0, main).map_err(dev_err("fork"))?;
+                result::stream::wait_event(
+                    pf,
+                    self.prefetch_fork.0,
+                    sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                )
+                .map_err(dev_err("fork"))?;
+            }
+            for s in &sp.prefetch {
+                self.launch_on(s, pf, false, None)?;
+            }
+        }
         if !sp.side.is_empty() {
             if branches {
                 // SAFETY: events and streams are valid; both streams are in this capture from here on.
@@ -569,11 +596,29 @@ impl Worker {
         }
         .map_err(dev_err("begin capture"))?;
         let mut launched = Ok(());
+        let mut prefetched = false;
         for sp in specs {
+            prefetched |= branches && !sp.prefetch.is_empty();
             launched = self.launch(sp, branches);
             if launched.is_err() {
                 break;
             }
+        }
+        if launched.is_ok() && prefetched {
+            // The prefetch branch joins the main stream once, at the end (nothing waits for it before).
+            // SAFETY: the event is recorded on the prefetch stream in this capture, then waited on by ours.
+            launched = unsafe {
+                result::event::record(self.prefetch_join.0, self.prefetch.cu_stream()).and_then(
+                    |()| {
+                        result::stream::wait_event(
+                            self.cu(),
+                            self.prefetch_join.0,
+                            sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                        )
+                    },
+                )
+            }
+            .map_err(dev_err("join"));
         }
         // SAFETY: the capture begun above.
         let graph = unsafe { result::stream::end_capture(self.cu()) };

@@ -13,6 +13,8 @@ mod hc;
 mod linear;
 mod moe;
 mod ple;
+mod prefetch;
+pub(crate) use prefetch::prefetch_budget;
 mod rows;
 mod sample;
 #[cfg(test)]
@@ -82,6 +84,9 @@ pub(crate) struct Addrs<'a> {
     pub side_scratch: u64,
     /// The side arena ([`side_arena_elems`] elements) for the buffers of the PLE branch ([`branch_ple_prep`]), or 0.
     pub side_arena: u64,
+    /// Bytes of weights an `l2_prefetch` side launch brings into L2 ahead of the launches that read them
+    /// ([`prefetch::branch_prefetch`]); 0: none.
+    pub prefetch_budget: u64,
     /// Buffers whose address is not the plan's: (buffer, device address); empty but inside [`branch_ple_prep`].
     pub moved: &'a [(BufId, u64)],
 }
@@ -107,6 +112,10 @@ pub(crate) struct LaunchSpec {
     pub then: Vec<(&'static str, (u32, u32, u32), u32)>,
     pub side: Vec<LaunchSpec>,
     pub join_before: Option<usize>,
+    /// `l2_prefetch` launches ([`prefetch::branch_prefetch`]) on the worker's prefetch stream, forked from the main
+    /// stream just before this spec's first launch and joined only at the end of the graph: they bring the weights
+    /// of the launches that follow into L2 while those before them wait on latency, and nothing waits for them.
+    pub prefetch: Vec<LaunchSpec>,
 }
 
 impl LaunchSpec {
@@ -120,6 +129,7 @@ impl LaunchSpec {
             then: Vec::new(),
             side: Vec::new(),
             join_before: None,
+            prefetch: Vec::new(),
         }
     }
     fn then(self, kernel: &'static str, grid: u32, block: u32) -> LaunchSpec {
@@ -313,6 +323,9 @@ pub(crate) fn specs(
             branch_ple_prep(a, v, &mut out)?;
         }
         branch_shared_experts(a, v, &mut out)?;
+    }
+    if a.prefetch_budget != 0 {
+        prefetch::branch_prefetch(a, v, &mut out)?;
     }
     Ok(out)
 }

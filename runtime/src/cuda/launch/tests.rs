@@ -65,6 +65,7 @@ fn specs_of(
                 experts_one_blocks: 4 * sms,
                 side_scratch,
                 side_arena: if side_scratch != 0 { SIDE_ARENA } else { 0 },
+                prefetch_budget: prefetch_budget(nstreams * window),
                 moved: &[],
             };
             (v.clone(), specs(&a, v, true).expect("specs"))
@@ -771,4 +772,90 @@ fn experts_one_limits_match_the_kernel_defines() {
     assert_eq!(define("EO_THREADS"), BARRIER_BLOCK);
     assert!(src.lines().any(|l| l.contains(" experts_one(")
         && l.contains(&format!("__launch_bounds__({BARRIER_BLOCK},"))));
+}
+
+#[test]
+fn prefetch_budget_is_for_windows_of_8_to_16_rows() {
+    for rows in [1, 2, 4, 7, 17, 32, 256] {
+        assert_eq!(prefetch_budget(rows), 0, "{rows} rows");
+    }
+    for rows in [8, 12, 16] {
+        assert_eq!(prefetch_budget(rows), 32 << 20, "{rows} rows");
+    }
+}
+
+#[test]
+fn prefetches_follow_heavy_launches_within_the_budget_and_fetch_later_nodes_weights() {
+    // The real widths, 4 layers, windows up to 16 rows: the one-row variants get no prefetch, the 8- and 16-row
+    // windows do; each run of prefetches stays within the budget and fetches weights of the nodes after the launch
+    // it forks at.
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/flash-next.json");
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir).expect("config")).expect("json");
+    let t = &mut json["text_config"];
+    t["num_hidden_layers"] = 4.into();
+    let types: Vec<serde_json::Value> =
+        t["layer_types"].as_array().expect("layer_types")[..4].to_vec();
+    t["layer_types"] = types.into();
+    let cfg = flashplan_plan::ModelConfig::from_json_str(&json.to_string()).expect("config parses");
+    let opts = flashplan_plan::CompileOptions {
+        arch: "cpu".into(),
+        max_depth: 15,
+        streams: vec![1],
+        context: 256,
+        prefill_chunk: 32,
+    };
+    let body = flashplan_compiler::compile(&cfg, &opts, &Default::default(), "test", |_, _| {})
+        .expect("compiles")
+        .body;
+    let weights: Vec<u64> = (0..body.weights.len() as u64)
+        .map(|i| 0x1000_0000 + (i << 20))
+        .collect();
+    let mut seen = 0;
+    for (v, sp) in specs_of(&body, true, SIDE_SCRATCH, 132) {
+        let rows = v.kind.shape().0 * v.kind.shape().1;
+        let with: Vec<usize> = (0..sp.len())
+            .filter(|&i| sp[i].as_ref().is_some_and(|s| !s.prefetch.is_empty()))
+            .collect();
+        if prefetch_budget(rows) == 0 {
+            assert!(
+                with.is_empty(),
+                "{}: no prefetch at {rows} rows",
+                v.kind.name()
+            );
+            continue;
+        }
+        if matches!(v.kind, flashplan_plan::VariantKind::Lone { window: 8 | 16 }) {
+            assert!(!with.is_empty(), "{}: prefetches", v.kind.name());
+        }
+        for i in with {
+            seen += 1;
+            let s = sp[i].as_ref().expect("spec");
+            assert!(i > 0, "never at the first launch");
+            let mut total = 0;
+            for p in &s.prefetch {
+                assert_eq!((p.kernel, p.block), ("l2_prefetch", (64, 1, 1)));
+                let f: FpL2Prefetch = params_of(p);
+                for r in 0..f.n as usize {
+                    total += f.bytes[r];
+                    // A range starts at a weight read by this node or a later one.
+                    let w = weights
+                        .iter()
+                        .position(|&w| w == f.ptr[r])
+                        .expect("a weight's start");
+                    assert!(
+                        v.nodes[i..].iter().any(|n| n
+                            .op
+                            .weights()
+                            .iter()
+                            .any(|id| id.0 as usize == w)),
+                        "{}: range of weight {w} not read after node {i}",
+                        v.kind.name()
+                    );
+                }
+            }
+            assert!(total <= 32 << 20, "{}: {total} bytes", v.kind.name());
+        }
+    }
+    assert!(seen > 0);
 }
