@@ -331,7 +331,7 @@ impl Worker {
             experts_one_blocks: self.experts_one_blocks,
             side_scratch: self.side_scratch.as_ref().map_or(0, |b| b.ptr),
             side_arena: self.side_arena.as_ref().map_or(0, |b| b.ptr),
-            prefetch_budget: launch::prefetch_budget(v.kind.shape().0 * v.kind.shape().1),
+            prefetch_budget: launch::prefetch_budget(v.kind),
             moved: &[],
         };
         launch::specs(&a, v, self.fuse_linear)

@@ -114,7 +114,9 @@ pub(crate) struct LaunchSpec {
     pub join_before: Option<usize>,
     /// `l2_prefetch` launches ([`prefetch::branch_prefetch`]) on the worker's prefetch stream, forked from the main
     /// stream just before this spec's first launch and joined only at the end of the graph: they bring the weights
-    /// of the launches that follow into L2 while those before them wait on latency, and nothing waits for them.
+    /// of the launches that follow into L2 while those before them wait on latency. The main stream waits for them
+    /// only at the end (each run follows the previous one on the prefetch stream). Graphs without branches (the
+    /// per-node timing of `CudaBackend::bench`) leave them out.
     pub prefetch: Vec<LaunchSpec>,
 }
 

@@ -6,29 +6,31 @@
 //! writes nothing: no value can change, only where a weight's bytes come from. Only rounds of 8 to 16 rows get them
 //! ([`prefetch_budget`]): at one and two rows the prefetch's bytes delayed the small launches more than L2 gave back.
 
-use flashplan_plan::{Op, Variant, WeightId};
+use flashplan_plan::{Op, Variant, VariantKind, WeightId};
 
 use super::{bytes, Addrs, LaunchSpec};
 use crate::backend::BackendError;
 use crate::cuda::params::{FpL2Prefetch, L2_PREFETCH_CHUNK, L2_PREFETCH_RANGES};
 
-/// Fewest rows a round must have for its graph to get prefetches. On the H200 (docs/benchmarks.md, fourteenth and
-/// fifteenth sessions) a 32 MB budget gained 0.8-1.1% in the lone windows of 8 and 16 rows and 0.4-0.9% in the rounds
-/// of 8 and 16 one-row streams. It gained nothing at 4 rows (lone-w4 within the noise, verify-s4-w1 0.4% slower) and
-/// cost 13-39 us at one and two rows, where the launches between two heavy ones are latency bound and their own
-/// loads waited behind the prefetch's.
+/// Fewest rows a verify round must have for its graph to get prefetches. On the H200 (docs/benchmarks.md, fourteenth
+/// and fifteenth sessions) a 32 MB budget gained 0.8-1.1% in the lone windows of 8 and 16 rows and 0.9% in the round
+/// of 16 one-row streams (8 streams: -0.4%, within the noise). At 4 rows it was mixed (lone-w4 -0.5% in the
+/// fourteenth session, within the noise in the fifteenth; verify-s4-w1 +0.4%), and at one and two rows it cost 13-39
+/// us: the launches between two heavy ones are latency bound there, and their own loads waited behind the prefetch's.
 pub(crate) const PREFETCH_MIN_ROWS: u32 = 8;
-/// Most rows of a round that gets prefetches: the widest measured (wider rounds, of many streams' windows or prefill
-/// chunks, are not).
+/// Most rows of a verify round that gets prefetches: the widest measured.
 pub(crate) const PREFETCH_MAX_ROWS: u32 = 16;
 /// Bytes of weights one run of prefetches brings into L2 (of the 8, 16, 32 and 48 MB measured, 32 MB gained most at
 /// 8 and 16 rows).
 pub(crate) const PREFETCH_BUDGET: u64 = 32 << 20;
 
-/// The prefetch budget of a graph of `rows` rows (`Addrs::prefetch_budget`): [`PREFETCH_BUDGET`] from
-/// [`PREFETCH_MIN_ROWS`] to [`PREFETCH_MAX_ROWS`] rows, else 0 (no prefetch branch).
-pub(crate) fn prefetch_budget(rows: u32) -> u64 {
-    if (PREFETCH_MIN_ROWS..=PREFETCH_MAX_ROWS).contains(&rows) {
+/// The prefetch budget of the graph of `kind` (`Addrs::prefetch_budget`): [`PREFETCH_BUDGET`] for the verify rounds
+/// (lone or shared) of [`PREFETCH_MIN_ROWS`] to [`PREFETCH_MAX_ROWS`] rows, the shapes measured; else 0 (no prefetch
+/// branch: prefill chunks and MTP steps were not measured with it).
+pub(crate) fn prefetch_budget(kind: VariantKind) -> u64 {
+    let (streams, window) = kind.shape();
+    let round = matches!(kind, VariantKind::Lone { .. } | VariantKind::Verify { .. });
+    if round && (PREFETCH_MIN_ROWS..=PREFETCH_MAX_ROWS).contains(&(streams * window)) {
         PREFETCH_BUDGET
     } else {
         0
@@ -79,8 +81,10 @@ fn scales_of(a: &Addrs, id: WeightId) -> u64 {
 /// Adds `l2_prefetch` launches (`LaunchSpec::prefetch`) to the specs that follow a heavy launch ([`HEAVY_BYTES`]):
 /// each brings the weights of the launches from there on, in launch order, into L2 until `a.prefetch_budget` bytes
 /// (the heavy launch that closes the run is prefetched from its start as far as the budget goes). A spec's weights
-/// are those of its node and of the nodes without a launch of their own up to the next spec (fused linears, the
-/// shared expert on its branch).
+/// are those of its node and of the nodes without a launch of their own up to the next spec (fused linears, and
+/// the nodes that run on the side branch: the shared expert, counted with the experts; the PLE projections, counted
+/// with the embedding, which they make heavy). This is the rule that was measured; it also fetches the forking
+/// spec's own weights, which that launch is already reading (not measured without them).
 pub(super) fn branch_prefetch(
     a: &Addrs,
     v: &Variant,

@@ -65,7 +65,7 @@ fn specs_of(
                 experts_one_blocks: 4 * sms,
                 side_scratch,
                 side_arena: if side_scratch != 0 { SIDE_ARENA } else { 0 },
-                prefetch_budget: prefetch_budget(nstreams * window),
+                prefetch_budget: prefetch_budget(v.kind),
                 moved: &[],
             };
             (v.clone(), specs(&a, v, true).expect("specs"))
@@ -775,20 +775,48 @@ fn experts_one_limits_match_the_kernel_defines() {
 }
 
 #[test]
-fn prefetch_budget_is_for_windows_of_8_to_16_rows() {
-    for rows in [1, 2, 4, 7, 17, 32, 256] {
-        assert_eq!(prefetch_budget(rows), 0, "{rows} rows");
+fn prefetch_budget_is_for_verify_rounds_of_8_to_16_rows() {
+    use flashplan_plan::{DrafterForm, VariantKind::*};
+    for window in [1, 2, 4, 7, 17] {
+        assert_eq!(prefetch_budget(Lone { window }), 0, "lone-w{window}");
     }
-    for rows in [8, 12, 16] {
-        assert_eq!(prefetch_budget(rows), 32 << 20, "{rows} rows");
+    for window in [8, 12, 16] {
+        assert_eq!(prefetch_budget(Lone { window }), 32 << 20, "lone-w{window}");
     }
+    for (streams, window, on) in [
+        (4, 1, false),
+        (8, 1, true),
+        (16, 1, true),
+        (2, 4, true),
+        (16, 2, false),
+    ] {
+        let want = if on { 32 << 20 } else { 0 };
+        assert_eq!(
+            prefetch_budget(Verify { streams, window }),
+            want,
+            "verify-s{streams}-w{window}"
+        );
+    }
+    // Prefill chunks and MTP steps were not measured with it.
+    assert_eq!(prefetch_budget(Prefill { chunk: 16 }), 0);
+    let form = DrafterForm::Checkpoint;
+    assert_eq!(
+        prefetch_budget(MtpAbsorb {
+            streams: 1,
+            window: 16,
+            form
+        }),
+        0
+    );
+    assert_eq!(prefetch_budget(MtpChain { streams: 16, form }), 0);
 }
 
 #[test]
-fn prefetches_follow_heavy_launches_within_the_budget_and_fetch_later_nodes_weights() {
-    // The real widths, 4 layers, windows up to 16 rows: the one-row variants get no prefetch, the 8- and 16-row
-    // windows do; each run of prefetches stays within the budget and fetches weights of the nodes after the launch
-    // it forks at.
+fn prefetches_follow_heavy_launches_within_the_budget_and_fetch_the_next_run_of_weights() {
+    // The real widths, 4 layers, windows up to 16 rows. A variant with a budget gets prefetch runs, each forked at
+    // the launch right after a heavy one (the routed experts, or 16 MB of weights or more, counting the nodes
+    // without a launch of their own up to the next launch), within the budget, and fetching only weights of the
+    // launches from there up to the next heavy one (the one that closes the run included), in launch order.
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/flash-next.json");
     let mut json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir).expect("config")).expect("json");
@@ -808,54 +836,103 @@ fn prefetches_follow_heavy_launches_within_the_budget_and_fetch_later_nodes_weig
     let body = flashplan_compiler::compile(&cfg, &opts, &Default::default(), "test", |_, _| {})
         .expect("compiles")
         .body;
-    let weights: Vec<u64> = (0..body.weights.len() as u64)
-        .map(|i| 0x1000_0000 + (i << 20))
-        .collect();
-    let mut seen = 0;
+    // specs_of's made-up weight addresses.
+    let weight_at = |ptr: u64| ((ptr - 0x1000_0000) >> 20) as usize;
+    let bytes = |id: flashplan_plan::WeightId| body.weights[id.0 as usize].numel() * 2;
+    let mut runs = 0;
     for (v, sp) in specs_of(&body, true, SIDE_SCRATCH, 132) {
-        let rows = v.kind.shape().0 * v.kind.shape().1;
-        let with: Vec<usize> = (0..sp.len())
-            .filter(|&i| sp[i].as_ref().is_some_and(|s| !s.prefetch.is_empty()))
+        let at: Vec<usize> = (0..sp.len()).filter(|&i| sp[i].is_some()).collect();
+        let forks: Vec<usize> = (0..at.len())
+            .filter(|&k| !sp[at[k]].as_ref().expect("spec").prefetch.is_empty())
             .collect();
-        if prefetch_budget(rows) == 0 {
-            assert!(
-                with.is_empty(),
-                "{}: no prefetch at {rows} rows",
-                v.kind.name()
-            );
+        if prefetch_budget(v.kind) == 0 {
+            assert!(forks.is_empty(), "{}: no prefetch", v.kind.name());
             continue;
         }
-        if matches!(v.kind, flashplan_plan::VariantKind::Lone { window: 8 | 16 }) {
-            assert!(!with.is_empty(), "{}: prefetches", v.kind.name());
+        assert!(!forks.is_empty(), "{}: prefetches", v.kind.name());
+        // Each launch's nodes (its own and the ones without a launch up to the next), and whether it is heavy.
+        let nodes = |k: usize| at[k]..at.get(k + 1).copied().unwrap_or(v.nodes.len());
+        let heavy = |k: usize| {
+            v.nodes[nodes(k)]
+                .iter()
+                .any(|n| matches!(n.op, Op::Experts { .. }))
+                || v.nodes[nodes(k)]
+                    .iter()
+                    .flat_map(|n| n.op.weights())
+                    .filter(|&id| {
+                        !matches!(
+                            v.nodes[nodes(k)]
+                                .iter()
+                                .find(|n| n.op.weights().contains(&id))
+                                .map(|n| &n.op),
+                            Some(Op::Embed { .. } | Op::EmbedStreams { .. } | Op::PleEmbed { .. })
+                        )
+                    })
+                    .map(bytes)
+                    .sum::<u64>()
+                    >= 16 << 20
+        };
+        // The run forked at launch k: from k up to the next heavy launch, included.
+        let run = |k: usize| -> Vec<usize> {
+            let end = (k..at.len()).find(|&j| heavy(j)).unwrap_or(at.len() - 1);
+            (k..=end)
+                .flat_map(|j| v.nodes[nodes(j)].iter().flat_map(|n| n.op.weights()))
+                .map(|id| id.0 as usize)
+                .collect()
+        };
+        for k in 1..at.len() {
+            let forked = forks.contains(&k);
+            if forked {
+                assert!(
+                    heavy(k - 1),
+                    "{}: launch {k} forks after a light launch",
+                    v.kind.name()
+                );
+            }
+            // After a heavy launch, a run with a weight of 16 KB or more is fetched.
+            let fetchable = run(k).iter().any(|&w| {
+                body.weights[w].numel() * 2 >= 16 << 10 && !body.weights[w].name.contains("embed")
+            });
+            if heavy(k - 1) && fetchable {
+                assert!(
+                    forked,
+                    "{}: launch {k} after a heavy launch forks",
+                    v.kind.name()
+                );
+            }
         }
-        for i in with {
-            seen += 1;
-            let s = sp[i].as_ref().expect("spec");
-            assert!(i > 0, "never at the first launch");
+        for &k in &forks {
+            runs += 1;
+            let allowed = run(k);
             let mut total = 0;
-            for p in &s.prefetch {
+            let mut last = None;
+            for p in &sp[at[k]].as_ref().expect("spec").prefetch {
                 assert_eq!((p.kernel, p.block), ("l2_prefetch", (64, 1, 1)));
                 let f: FpL2Prefetch = params_of(p);
                 for r in 0..f.n as usize {
-                    total += f.bytes[r];
-                    // A range starts at a weight read by this node or a later one.
-                    let w = weights
-                        .iter()
-                        .position(|&w| w == f.ptr[r])
-                        .expect("a weight's start");
+                    let w = weight_at(f.ptr[r]);
                     assert!(
-                        v.nodes[i..].iter().any(|n| n
-                            .op
-                            .weights()
-                            .iter()
-                            .any(|id| id.0 as usize == w)),
-                        "{}: range of weight {w} not read after node {i}",
+                        allowed.contains(&w),
+                        "{}: weight {w} outside the run at {k}",
                         v.kind.name()
                     );
+                    // In launch order: a weight's position in the run never goes back.
+                    let pos = allowed.iter().position(|&x| x == w).expect("in the run");
+                    assert!(
+                        last.is_none_or(|l| pos >= l),
+                        "{}: out of order",
+                        v.kind.name()
+                    );
+                    last = Some(pos);
+                    total += f.bytes[r];
                 }
             }
-            assert!(total <= 32 << 20, "{}: {total} bytes", v.kind.name());
+            assert!(
+                total > 0 && total <= 32 << 20,
+                "{}: {total} bytes",
+                v.kind.name()
+            );
         }
     }
-    assert!(seen > 0);
+    assert!(runs > 0);
 }
