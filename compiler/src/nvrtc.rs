@@ -60,9 +60,8 @@ pub enum NvrtcError {
     },
 }
 
-/// Entry points a module source exports: every `extern "C" __global__ void NAME(`, also with launch bounds or cluster
-/// dimensions before the name (`extern "C" __global__ void __cluster_dims__(...) __launch_bounds__(...) NAME(`), all on
-/// one line.
+/// Entry points a module source exports: every `extern "C" __global__ void NAME(`, also with launch bounds
+/// (`extern "C" __global__ void __launch_bounds__(...) NAME(`).
 pub fn entry_points(src: &str) -> Vec<String> {
     let mut out = Vec::new();
     for line in src.lines() {
@@ -70,15 +69,12 @@ pub fn entry_points(src: &str) -> Vec<String> {
             .trim_start()
             .strip_prefix("extern \"C\" __global__ void ")
         {
-            let mut rest = rest;
-            while let Some(r) = ["__launch_bounds__(", "__cluster_dims__("]
-                .iter()
-                .find_map(|a| rest.strip_prefix(a))
-            {
-                rest = r
+            let rest = match rest.strip_prefix("__launch_bounds__(") {
+                Some(r) => r
                     .split_once(')')
-                    .map_or("", |(_, after)| after.trim_start());
-            }
+                    .map_or("", |(_, after)| after.trim_start()),
+                None => rest,
+            };
             if let Some(name) = rest.split('(').next() {
                 out.push(name.trim().to_string());
             }
@@ -345,12 +341,11 @@ mod tests {
     }
 
     #[test]
-    fn entry_points_read_names_with_and_without_attributes() {
+    fn entry_points_read_names_with_and_without_launch_bounds() {
         let src = "extern \"C\" __global__ void plain(const P p) {}\n\
                    extern \"C\" __global__ void __launch_bounds__(256, 2) bounded(const P p) {}\n\
-                   extern \"C\" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(320, 3) cl(const P p) {}\n\
                    DEV void helper(const P p) {}\n";
-        assert_eq!(entry_points(src), ["plain", "bounded", "cl"]);
+        assert_eq!(entry_points(src), ["plain", "bounded"]);
     }
 
     #[test]
