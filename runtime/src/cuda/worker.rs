@@ -345,15 +345,7 @@ impl Worker {
         if branches && !sp.prefetch.is_empty() {
             let pf = self.prefetch.cu_stream();
             // SAFETY: events and streams are valid; the prefetch stream is in this capture from here on.
-            unsafe {
-                result::event::record(self.prefetch_fork.0, main).map_err(dev_err("fork"))?;
-                result::stream::wait_event(
-                    pf,
-                    self.prefetch_fork.0,
-                    sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
-                )
-                .map_err(dev_err("fork"))?;
-            }
+            unsafe { follow(&self.prefetch_fork, main, pf, "fork") }?;
             for s in &sp.prefetch {
                 self.launch_on(s, pf, false, None)?;
             }
@@ -361,15 +353,7 @@ impl Worker {
         if !sp.side.is_empty() {
             if branches {
                 // SAFETY: events and streams are valid; both streams are in this capture from here on.
-                unsafe {
-                    result::event::record(self.fork.0, main).map_err(dev_err("fork"))?;
-                    result::stream::wait_event(
-                        side,
-                        self.fork.0,
-                        sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
-                    )
-                    .map_err(dev_err("fork"))?;
-                }
+                unsafe { follow(&self.fork, main, side, "fork") }?;
                 for s in &sp.side {
                     self.launch_on(s, side, false, None)?;
                 }
@@ -608,17 +592,13 @@ impl Worker {
             // The prefetch branch joins the main stream once, at the end (nothing waits for it before).
             // SAFETY: the event is recorded on the prefetch stream in this capture, then waited on by ours.
             launched = unsafe {
-                result::event::record(self.prefetch_join.0, self.prefetch.cu_stream()).and_then(
-                    |()| {
-                        result::stream::wait_event(
-                            self.cu(),
-                            self.prefetch_join.0,
-                            sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
-                        )
-                    },
+                follow(
+                    &self.prefetch_join,
+                    self.prefetch.cu_stream(),
+                    self.cu(),
+                    "join",
                 )
-            }
-            .map_err(dev_err("join"));
+            };
         }
         // SAFETY: the capture begun above.
         let graph = unsafe { result::stream::end_capture(self.cu()) };
@@ -767,6 +747,25 @@ impl Worker {
             kernels_us,
             nodes_us,
         })
+    }
+}
+
+/// Makes `to` wait for the work enqueued on `from` so far: records `event` on `from`, then `to` waits on it (a fork
+/// or a join of a graph branch during capture). `what` names the step in errors.
+///
+/// # Safety
+/// `event`, `from` and `to` must be valid, and in a capture both streams take part in it.
+unsafe fn follow(
+    event: &Event,
+    from: sys::CUstream,
+    to: sys::CUstream,
+    what: &'static str,
+) -> Result<(), BackendError> {
+    // SAFETY: as the caller promises.
+    unsafe {
+        result::event::record(event.0, from).map_err(dev_err(what))?;
+        result::stream::wait_event(to, event.0, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
+            .map_err(dev_err(what))
     }
 }
 

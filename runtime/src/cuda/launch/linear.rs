@@ -274,7 +274,7 @@ pub(super) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
         return Err(wrong_op("linear", op));
     };
     let (p, total, per_block) = linear_params(a, v, op)?;
-    if let Some(&scales) = a.mxfp8_scales.get(w.0 as usize).filter(|&&s| s != 0) {
+    if let Some(scales) = a.mxfp8_scales_of(*w) {
         return Ok(linear_mxfp8(&p, scales, total));
     }
     let entry = linear_entry(total, p.k, p.split);

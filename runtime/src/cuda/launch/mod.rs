@@ -175,6 +175,13 @@ impl Addrs<'_> {
         };
         base + d.offset * 4
     }
+    /// The address of weight `id`'s MXFP8 scales when it is held as MXFP8 (its codes at [`Addrs::w`]), else `None`.
+    fn mxfp8_scales_of(&self, id: WeightId) -> Option<u64> {
+        self.mxfp8_scales
+            .get(id.0 as usize)
+            .copied()
+            .filter(|&s| s != 0)
+    }
     fn w(&self, id: WeightId) -> Result<u64, BackendError> {
         match self.weights.get(id.0 as usize) {
             Some(&p) if p != 0 => Ok(p),
@@ -300,7 +307,7 @@ pub(crate) fn specs(
             out.push(Some(node_spec(a, v, i, &n.op)?));
         }
     } else {
-        let mxfp8 = |w: WeightId| a.mxfp8_scales.get(w.0 as usize).is_some_and(|&s| s != 0);
+        let mxfp8 = |w: WeightId| a.mxfp8_scales_of(w).is_some();
         for g in fuse::launch_groups(v, mxfp8) {
             if g.len() == 1 {
                 out.push(Some(node_spec(a, v, g.start, &v.nodes[g.start].op)?));

@@ -6,7 +6,7 @@
 //! writes nothing: no value can change, only where a weight's bytes come from. Only rounds of 8 to 16 rows get them
 //! ([`prefetch_budget`]): at one and two rows the prefetch's bytes delayed the small launches more than L2 gave back.
 
-use flashplan_plan::{Op, Variant, VariantKind, WeightId};
+use flashplan_plan::{Op, Variant, VariantKind};
 
 use super::{bytes, Addrs, LaunchSpec};
 use crate::backend::BackendError;
@@ -59,9 +59,9 @@ fn weight_ranges(a: &Addrs, op: &Op) -> Result<Vec<(u64, u64)>, BackendError> {
     for id in op.weights() {
         let e = &a.body.weights[id.0 as usize];
         let ptr = a.w(id)?;
-        match scales_of(a, id) {
-            0 => out.push((ptr, e.numel() * 2)),
-            s => {
+        match a.mxfp8_scales_of(id) {
+            None => out.push((ptr, e.numel() * 2)),
+            Some(s) => {
                 let (n, k) = (
                     e.shape.first().copied().unwrap_or(1),
                     e.shape.last().copied().unwrap_or(1),
@@ -72,10 +72,6 @@ fn weight_ranges(a: &Addrs, op: &Op) -> Result<Vec<(u64, u64)>, BackendError> {
         }
     }
     Ok(out)
-}
-
-fn scales_of(a: &Addrs, id: WeightId) -> u64 {
-    a.mxfp8_scales.get(id.0 as usize).copied().unwrap_or(0)
 }
 
 /// Adds `l2_prefetch` launches (`LaunchSpec::prefetch`) to the specs that follow a heavy launch ([`HEAVY_BYTES`]):

@@ -706,6 +706,14 @@ fn kernel_define(src: &str, name: &str) -> u32 {
         .unwrap_or_else(|| panic!("{line}: not a number"))
 }
 
+/// Whether a kernel source declares entry point `name` with `__launch_bounds__(BARRIER_BLOCK, ..)` on its line.
+fn bounded_to_barrier_block(src: &str, name: &str) -> bool {
+    src.lines().any(|l| {
+        l.contains(&format!(" {name}("))
+            && l.contains(&format!("__launch_bounds__({BARRIER_BLOCK},"))
+    })
+}
+
 #[test]
 fn hc_read_one_limits_match_the_kernel_defines() {
     // The launch's limits mirror kernels/norm.cu's array sizes: a drift would let the kernel run past them.
@@ -715,11 +723,7 @@ fn hc_read_one_limits_match_the_kernel_defines() {
     assert_eq!(define("HC_ONE_STEPS"), HC_ONE_STEPS);
     // Every entry point the launch names is in the kernel file, under the barrier kernels' block size.
     for name in HC_READ_ONE {
-        assert!(
-            src.lines().any(|l| l.contains(&format!(" {name}("))
-                && l.contains(&format!("__launch_bounds__({BARRIER_BLOCK},"))),
-            "{name}"
-        );
+        assert!(bounded_to_barrier_block(src, name), "{name}");
     }
 }
 
@@ -770,8 +774,7 @@ fn experts_one_limits_match_the_kernel_defines() {
     assert_eq!(define("EO_BLOCKS"), EXPERTS_ONE_BLOCKS);
     assert_eq!(define("EO_MAX_INTER"), EXPERTS_ONE_MAX_INTER);
     assert_eq!(define("EO_THREADS"), BARRIER_BLOCK);
-    assert!(src.lines().any(|l| l.contains(" experts_one(")
-        && l.contains(&format!("__launch_bounds__({BARRIER_BLOCK},"))));
+    assert!(bounded_to_barrier_block(src, "experts_one"));
 }
 
 #[test]
