@@ -3,6 +3,8 @@
 
 #define ATTN_MAX_HD 512
 #define ATTN_WARPS 8
+// A lane's values of a head of at most ATTN_MAX_HD: lane, lane + 32, ...
+#define ATTN_HD_U (ATTN_MAX_HD / 32)
 
 // Block (row, group of 8 heads over blockIdx.y), one warp per head: q = RoPE(q_norm(q part)), gate copied;
 // k = RoPE(k_norm(k)) and v written to the slot's caches at pos + j. A head's values never depend on the grid.
@@ -20,25 +22,43 @@ extern "C" __global__ void attn_prep(const FpAttnPrep p) {
         const u32 pos = st.pos + j;
         float* b = buf[warp];
         for (u32 hh = blockIdx.y * nw + warp; hh < p.heads + p.kv_heads; hh += gridDim.y * nw) {
+            // Every load of the head (its raw values, their norm weights, the gate or v it copies) is issued
+            // before the first store; rms_warp_reg gives rms_warp's bits.
+            float xv[ATTN_HD_U], cv[ATTN_HD_U];
             if (hh < p.heads) {
                 const float* src = fptr(p.q_raw) + (u64)r * p.heads * 2 * hd + (u64)hh * 2 * hd;
-                rms_warp(src, p.q_norm, b, hd, p.eps, lane);
+                load_strided(xv, lane, 32, hd, 0.0f, [&](u32 i) { return src[i]; });
+                load_strided(cv, lane, 32, hd, 0.0f, [&](u32 i) { return src[hd + i]; });
+                rms_warp_reg(xv, p.q_norm, b, hd, p.eps, lane);
                 rope_warp(b, fptr(p.rope), p.rot_half, pos, p.attn_factor, lane);
-                for (u32 i = lane; i < hd; i += 32) {
-                    fptr(p.q)[(u64)r * p.heads * hd + hh * hd + i] = b[i];
-                    fptr(p.gate)[(u64)r * p.heads * hd + hh * hd + i] = src[hd + i];
+                float* q = fptr(p.q) + (u64)r * p.heads * hd + hh * hd;
+                float* gate = fptr(p.gate) + (u64)r * p.heads * hd + hh * hd;
+#pragma unroll
+                for (int u = 0; u < ATTN_HD_U; u++) {
+                    const u32 i = lane + 32 * u;
+                    if (i < hd) {
+                        q[i] = b[i];
+                        gate[i] = cv[u];
+                    }
                 }
             } else {
                 const u32 kh = hh - p.heads;
                 const u64 w = (u64)p.kv_heads * hd;
                 const float* src = fptr(p.k_raw) + (u64)r * w + kh * hd;
-                rms_warp(src, p.k_norm, b, hd, p.eps, lane);
+                const float* vr = fptr(p.v_raw) + (u64)r * w + kh * hd;
+                load_strided(xv, lane, 32, hd, 0.0f, [&](u32 i) { return src[i]; });
+                load_strided(cv, lane, 32, hd, 0.0f, [&](u32 i) { return vr[i]; });
+                rms_warp_reg(xv, p.k_norm, b, hd, p.eps, lane);
                 rope_warp(b, fptr(p.rope), p.rot_half, pos, p.attn_factor, lane);
                 float* kc = state_of(c, st.slot, p.k_cache) + (u64)pos * w + kh * hd;
                 float* vc = state_of(c, st.slot, p.v_cache) + (u64)pos * w + kh * hd;
-                for (u32 i = lane; i < hd; i += 32) {
-                    kc[i] = b[i];
-                    vc[i] = fptr(p.v_raw)[(u64)r * w + kh * hd + i];
+#pragma unroll
+                for (int u = 0; u < ATTN_HD_U; u++) {
+                    const u32 i = lane + 32 * u;
+                    if (i < hd) {
+                        kc[i] = b[i];
+                        vc[i] = cv[u];
+                    }
                 }
             }
             __syncwarp();
@@ -61,15 +81,22 @@ extern "C" __global__ void indexer_prep(const FpIndexerPrep p) {
         const u32 pos = st.pos + j;
         const float* src = fptr(p.qk) + (u64)r * W;
         float* b = buf[warp];
+        // As attn_prep: a head's loads (and the raw key's) issued before its first store.
         for (u32 hh = warp; hh < p.ih; hh += nw) {
-            rms_warp(src + hh * id, p.q_norm, b, id, p.eps, lane);
+            float xv[ATTN_HD_U];
+            load_strided(xv, lane, 32, id, 0.0f, [&](u32 i) { return src[hh * id + i]; });
+            rms_warp_reg(xv, p.q_norm, b, id, p.eps, lane);
             rope_warp(b, fptr(p.rope), p.rot_half, pos, p.attn_factor, lane);
             for (u32 i = lane; i < id; i += 32) fptr(p.q_out)[(u64)r * p.ih * id + hh * id + i] = b[i];
             __syncwarp();
         }
         if (warp == nw - 1) {
             float* rk = state_of(c, st.slot, p.raw_keys) + (u64)pos * id;
-            for (u32 i = lane; i < id; i += 32) rk[i] = src[p.ih * id + i];
+            float kv[ATTN_HD_U];
+            load_strided(kv, lane, 32, id, 0.0f, [&](u32 i) { return src[p.ih * id + i]; });
+#pragma unroll
+            for (int u = 0; u < ATTN_HD_U; u++)
+                if (lane + 32 * u < id) rk[lane + 32 * u] = kv[u];
         }
     }
 }
@@ -253,6 +280,8 @@ extern "C" __global__ void indexer_select(const FpIndexerSelect p) {
 #define SA_MAX_G 16
 #define SA_MAX_Q 8192
 #define SA_MAX_SPLIT 256
+// Value loads of P.V in flight per thread (a batch of tokens, summed in token order after).
+#define SA_PV_U 16
 DEV u32 sa_nt(const FpSparseAttn& p, u32 pos, u32& nsel, u32& nb) {
     nb = (pos + 1) / p.ratio;
     nsel = nb < p.topk ? nb : p.topk;
@@ -301,10 +330,13 @@ DEV void sa_dims(const float* row, u32 hd, u32 lane, bool vec, float (&x)[8]) {
     }
 }
 
-extern "C" __global__ void sparse_attn(const FpSparseAttn p) {
-    pdl_start();
+// The body, with GM >= G query heads per kv head as the bound of its head loops: heads past G are predicated off as
+// at any GM, so the arithmetic is the same for every GM; the smallest GM (4, 8, 12 or 16) saves the instructions of
+// the heads that are not there (the kernel is issue-bound: at one row a block per SM). Entry points below.
+template <int GM>
+DEV void sparse_attn_g(const FpSparseAttn& p) {
     __shared__ __align__(16) float qs[SA_MAX_Q];
-    __shared__ float ps[SA_MAX_G][SA_CHUNK];
+    __shared__ float ps[GM][SA_CHUNK];
     __shared__ u32 toks[SA_CHUNK];
     const FpCommon& c = p.c;
     const u32 R = c.nstreams * c.window;
@@ -335,7 +367,8 @@ extern "C" __global__ void sparse_attn(const FpSparseAttn p) {
             toks[i] = m < nsel * p.ratio ? sel[m / p.ratio] * p.ratio + m % p.ratio : nb * p.ratio + m - nsel * p.ratio;
         }
         const float* q = fptr(p.q) + (u64)r * p.heads * hd + (u64)kv * G * hd;
-        for (u32 i = threadIdx.x; i < G * hd; i += blockDim.x) qs[i] = q[i];
+        // Every thread's values of q loaded before any is stored (a load-then-store loop paid one latency a value).
+        block_store_row(qs, G * hd, 1, 0, [&](u32 i) { return q[i]; });
         __syncthreads();
         // Scores: warp per token. Fast path (hd <= 256, a multiple of 8): each warp loads all its tokens' keys first;
         // lane l holds dims 4 l .. 4 l + 3 and 128 + 4 l .. + 3 (`sa_dims`), so each 16-byte load of the warp, from
@@ -351,9 +384,11 @@ extern "C" __global__ void sparse_attn(const FpSparseAttn p) {
             for (int u = 0; u < SA_CHUNK / ATTN_WARPS; u++) {
                 const u32 i = warp + nw * u;
                 if (i >= cnt) break;
-                float a[SA_MAX_G];
+                float a[16];
 #pragma unroll
-                for (int g = 0; g < SA_MAX_G; g++) {
+                for (int g = 0; g < 16; g++) {
+                    a[g] = 0.0f;
+                    if (g >= GM) continue;
                     float qv[8];
                     sa_dims(qs + g * hd, (u32)g < G ? hd : 0, lane, true, qv);
                     a[g] = (u32)g < G ? dot8(qv, kreg[u]) : 0.0f;
@@ -366,17 +401,17 @@ extern "C" __global__ void sparse_attn(const FpSparseAttn p) {
         } else {
             for (u32 i = warp; i < cnt; i += nw) {
                 const float* kr = kc + (u64)toks[i] * w + (u64)kv * hd;
-                float acc[SA_MAX_G];
+                float acc[GM];
 #pragma unroll
-                for (int g = 0; g < SA_MAX_G; g++) acc[g] = 0.0f;
+                for (int g = 0; g < GM; g++) acc[g] = 0.0f;
                 for (u32 d = lane; d < hd; d += 32) {
                     const float kd = kr[d];
 #pragma unroll
-                    for (int g = 0; g < SA_MAX_G; g++)
+                    for (int g = 0; g < GM; g++)
                         if ((u32)g < G) acc[g] = fmaf(qs[g * hd + d], kd, acc[g]);
                 }
 #pragma unroll
-                for (int g = 0; g < SA_MAX_G; g++) {
+                for (int g = 0; g < GM; g++) {
                     if ((u32)g >= G) break;
                     const float d = warp_sum(acc[g]);
                     if (lane == 0) ps[g][i] = d * scale;
@@ -403,20 +438,26 @@ extern "C" __global__ void sparse_attn(const FpSparseAttn p) {
             }
         }
         __syncthreads();
-        // P.V: thread per value column, tokens in order.
+        // P.V: thread per value column, tokens in order; the chunk's values of the column all loaded first.
         for (u32 d = threadIdx.x; d < hd; d += blockDim.x) {
-            float o[SA_MAX_G];
+            float o[GM];
 #pragma unroll
-            for (int g = 0; g < SA_MAX_G; g++) o[g] = 0.0f;
-#pragma unroll 8
-            for (u32 i = 0; i < cnt; i++) {
-                const float vv = vc[(u64)toks[i] * w + (u64)kv * hd + d];
+            for (int g = 0; g < GM; g++) o[g] = 0.0f;
+            for (u32 i0 = 0; i0 < cnt; i0 += SA_PV_U) {
+                float vv[SA_PV_U];
 #pragma unroll
-                for (int g = 0; g < SA_MAX_G; g++)
-                    if ((u32)g < G) o[g] = fmaf(ps[g][i], vv, o[g]);
+                for (int u = 0; u < SA_PV_U; u++)
+                    vv[u] = i0 + u < cnt ? vc[(u64)toks[i0 + u] * w + (u64)kv * hd + d] : 0.0f;
+#pragma unroll
+                for (int u = 0; u < SA_PV_U; u++) {
+                    if (i0 + u >= cnt) break;
+#pragma unroll
+                    for (int g = 0; g < GM; g++)
+                        if ((u32)g < G) o[g] = fmaf(ps[g][i0 + u], vv[u], o[g]);
+                }
             }
 #pragma unroll
-            for (int g = 0; g < SA_MAX_G; g++) {
+            for (int g = 0; g < GM; g++) {
                 if ((u32)g >= G) break;
                 fptr(c.scratch)[(((u64)r * p.heads + kv * G + g) * nsplit + z) * (2 + hd) + 2 + d] = o[g];
             }
@@ -424,6 +465,13 @@ extern "C" __global__ void sparse_attn(const FpSparseAttn p) {
         __syncthreads();
     }
 }
+
+// Entry points by the bound of the head loops (runtime/src/cuda/launch/attn.rs: the smallest GM >= G), each
+// compiled with the registers its loops need (one kernel holding all four took 150 registers, against 128).
+extern "C" __global__ void sparse_attn_g4(const FpSparseAttn p) { pdl_start(); sparse_attn_g<4>(p); }
+extern "C" __global__ void sparse_attn_g8(const FpSparseAttn p) { pdl_start(); sparse_attn_g<8>(p); }
+extern "C" __global__ void sparse_attn_g12(const FpSparseAttn p) { pdl_start(); sparse_attn_g<12>(p); }
+extern "C" __global__ void sparse_attn_g16(const FpSparseAttn p) { pdl_start(); sparse_attn_g<16>(p); }
 
 extern "C" __global__ void sparse_attn_combine(const FpSparseAttn p) {
     pdl_start();

@@ -196,6 +196,27 @@ DEV void rms_warp(const float* x, const u64 w, float* y, u32 n, float eps, u32 l
     __syncwarp();
 }
 
+// rms_warp on values already in registers: xv[u] = x[lane + 32 u] for lane + 32 u < n (n <= 32 U). The same
+// products, sums and order as rms_warp, so the same bits; every load (x by the caller, the norm weights here) is
+// issued before the first store to y, where rms_warp's loop paid a memory latency a value.
+template <int U>
+DEV void rms_warp_reg(const float (&xv)[U], const u64 w, float* y, u32 n, float eps, u32 lane) {
+    float wv[U];
+    load_strided(wv, lane, 32, w ? n : 0, 0.0f, [&](u32 i) { return bfw(w, i); });
+    float ss = 0.0f;
+#pragma unroll
+    for (int u = 0; u < U; u++)
+        if (lane + 32 * u < n) ss += xv[u] * xv[u];
+    ss = warp_sum(ss);
+    const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+        const u32 i = lane + 32 * u;
+        if (i < n) y[i] = xv[u] * inv * (w ? 1.0f + wv[u] : 1.0f);
+    }
+    __syncwarp();
+}
+
 // QSA block key by one warp: RoPE(k_layernorm(mean of the block's `ratio` raw keys), b * ratio) into `key` (id).
 DEV void block_key_warp(const float* raw, u32 b, u32 id, u32 ratio, u64 kn, float eps, const float* inv_freq,
                         u32 half, float af, float* key, u32 lane) {

@@ -8,6 +8,34 @@
 #define GDN_MAX_DK 128
 
 // out[j][ch] = silu(sum_t w[ch, t] * seq[j + t][ch]), seq = conv state (kernel-1 rows) then the window's rows.
+// Windows of one row with a kernel of at most GDN_CONV_ONE taps take gdn_conv_one: the same sum in the same order.
+#define GDN_CONV_ONE 8
+// One row of stream s (window of one row): every tap's value and weight loaded first, then the output and the
+// shifted conv state stored from registers (the loop below reloads the state after its stores: a memory latency
+// per tap). The same products summed in the same tap order as the loop, so the same bits.
+DEV void gdn_conv_one(const FpGdnConv& p, u32 s, u32 ch, float* state) {
+    const u32 K1 = p.kernel - 1;
+    float xs[GDN_CONV_ONE], ws[GDN_CONV_ONE];
+#pragma unroll
+    for (u32 t = 0; t < GDN_CONV_ONE; t++) {
+        if (t >= p.kernel) break;
+        xs[t] = t < K1 ? state[(u64)t * p.channels + ch] : fptr(p.x)[(u64)s * p.channels + ch];
+        ws[t] = bfw(p.w, (u64)ch * p.kernel + t);
+    }
+    float acc = 0.0f;
+#pragma unroll
+    for (u32 t = 0; t < GDN_CONV_ONE; t++) {
+        if (t >= p.kernel) break;
+        acc += ws[t] * xs[t];
+    }
+    fptr(p.out)[(u64)s * p.channels + ch] = siluf_(acc);
+#pragma unroll
+    for (u32 i = 0; i + 1 < GDN_CONV_ONE; i++) {
+        if (i >= K1) break;
+        state[(u64)i * p.channels + ch] = xs[i + 1];
+    }
+}
+
 extern "C" __global__ void gdn_conv(const FpGdnConv p) {
     pdl_start();
     const FpCommon& c = p.c;
@@ -16,6 +44,11 @@ extern "C" __global__ void gdn_conv(const FpGdnConv p) {
         for (u32 s = 0; s < c.nstreams; s++) {
             const FpStream& st = stream_of(c, s);
             const float* state = state_of(c, st.slot, p.state);
+            if (c.window == 1 && p.kernel <= GDN_CONV_ONE) {
+                // Padding streams (rows 0) write nothing.
+                if (st.rows == 1) gdn_conv_one(p, s, ch, state_of(c, st.slot, p.state));
+                continue;
+            }
             for (u32 j = 0; j < st.rows; j++) {
                 float acc = 0.0f;
                 for (u32 t = 0; t < p.kernel; t++) {
@@ -26,8 +59,8 @@ extern "C" __global__ void gdn_conv(const FpGdnConv p) {
                 }
                 fptr(p.out)[((u64)s * c.window + j) * p.channels + ch] = siluf_(acc);
             }
-            // Window of one row: its row is always kept (keep_count: keep = rows), so this thread shifts its
-            // channel's conv state here, exactly as gdn_commit would with keep = 1 (gdn_commit is not launched for
+            // Window of one row (kernels of more than GDN_CONV_ONE taps; gdn_conv_one above does the same): its row
+            // is always kept (keep_count: keep = rows), so this thread shifts its channel's conv state here, exactly as gdn_commit would with keep = 1 (gdn_commit is not launched for
             // such variants: `commit_in_window_one`, runtime/src/cuda/launch/gdn.rs). Padding streams (rows 0) write nothing.
             if (c.window == 1 && st.rows == 1) {
                 float* cs = state_of(c, st.slot, p.state);

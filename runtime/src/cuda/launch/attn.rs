@@ -6,6 +6,18 @@ use super::*;
 /// Tokens per chunk of `sparse_attn` (`SA_CHUNK` in `kernels/attn.cu`).
 pub(super) const SA_CHUNK: u32 = 32;
 
+/// The `sparse_attn` entry point for `g` query heads per kv head (1..=16): the one whose head loops run to the
+/// smallest bound of 4, 8, 12 or 16 that holds them (kernels/attn.cu `sparse_attn_g`; the same arithmetic at any
+/// bound, fewer instructions at the tightest).
+pub(super) fn sparse_attn_entry(g: u32) -> &'static str {
+    match g {
+        0..=4 => "sparse_attn_g4",
+        5..=8 => "sparse_attn_g8",
+        9..=12 => "sparse_attn_g12",
+        _ => "sparse_attn_g16",
+    }
+}
+
 /// Parameters and launches of a sparse-attention node (`AttnPrep`, `IndexerPrep`, `IndexerSelect`, `SparseAttn`,
 /// `IndexerCommit`).
 pub(super) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, BackendError> {
@@ -166,11 +178,13 @@ pub(super) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
                     p.max_tokens
                 )));
             }
-            LaunchSpec::new("sparse_attn", bytes(&p), (rows, *kv_heads, nsplit), 256).then(
-                "sparse_attn_combine",
-                rows * heads,
+            LaunchSpec::new(
+                sparse_attn_entry(g),
+                bytes(&p),
+                (rows, *kv_heads, nsplit),
                 256,
             )
+            .then("sparse_attn_combine", rows * heads, 256)
         }
         Op::IndexerCommit {
             raw_keys,

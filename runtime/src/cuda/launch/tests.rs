@@ -939,3 +939,23 @@ fn prefetches_follow_heavy_launches_within_the_budget_and_fetch_the_next_run_of_
     }
     assert!(runs > 0);
 }
+
+#[test]
+fn sparse_attn_takes_the_tightest_head_bound_that_holds_its_heads() {
+    // kernels/attn.cu: entry point sparse_attn_gGM runs head loops up to GM; G heads per kv head need GM >= G, and
+    // the smallest such GM of 4, 8, 12, 16 is the one with the fewest idle heads.
+    let src = include_str!("../../../../kernels/attn.cu");
+    assert_eq!(kernel_define(src, "SA_CHUNK"), attn::SA_CHUNK);
+    for g in 1..=16u32 {
+        let name = attn::sparse_attn_entry(g);
+        let bound: u32 = name["sparse_attn_g".len()..].parse().expect("a bound");
+        assert!(bound >= g && bound - g < 4, "{g} heads -> {name}");
+        let entry = format!("extern \"C\" __global__ void {name}(const FpSparseAttn p)");
+        assert!(
+            src.lines()
+                .any(|l| l.starts_with(&entry) && l.contains(&format!("sparse_attn_g<{bound}>(p)"))),
+            "{name} is an entry point of kernels/attn.cu running sparse_attn_g<{bound}>"
+        );
+    }
+    assert_eq!(kernel_define(src, "SA_MAX_G"), 16);
+}
