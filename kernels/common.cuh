@@ -27,6 +27,23 @@ DEV void pdl_start() {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
+// Loads for the code before griddepcontrol.wait (pdl_start), of data that changes between replays or rounds (round
+// descriptors, recurrent state, the residual stream): through L2 only (ld.global.cg). The wait is what makes the
+// earlier kernels' and the host's writes visible to this grid; before it, an SM's L1 may still hold a line from
+// before them (H200: gdn_recur's state read early through L1 changed one-row results). L2 is coherent, and every
+// kernel whose writes such a load needs has completed before this grid could start (each kernel lets its dependents
+// launch only after its own wait), the host's copies before the graph launch.
+DEV u32 ld_early_u32(const u32* p) {
+    u32 v;
+    asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+DEV float ld_early_f32(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+
 // Grid barrier of a launch whose blocks are all on the GPU at once (the launch checks that its grid fits; a block
 // waiting here for one that cannot start would wait forever), on a u32 counter in device memory: every block adds
 // 1 but block 0, which adds 2^31 - (blocks - 1), so the adds sum to 2^31 and bit 31 of the counter flips exactly when
@@ -88,6 +105,12 @@ DEV void block_store_row(float* dst, u32 n, u32 copies, u64 stride, F f) {
 }
 
 DEV const FpStream& stream_of(const FpCommon& c, u32 s) { return ((const FpStream*)c.streams)[s]; }
+// Stream s's slot and row count read before the wait (ld_early_u32).
+DEV void stream_early(const FpCommon& c, u32 s, u32& slot, u32& rows) {
+    const FpStream* st = (const FpStream*)c.streams + s;
+    slot = ld_early_u32(&st->slot);
+    rows = ld_early_u32(&st->rows);
+}
 DEV u32 token_of(const FpCommon& c, u32 r) { return ((const u32*)c.tokens)[r]; }
 DEV float* state_of(const FpCommon& c, u32 slot, u64 off) {
     return (float*)c.slots + (u64)slot * c.slot_elems + off;

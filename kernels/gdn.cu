@@ -126,7 +126,6 @@ DEV void gdn_quarter(const float* src, float (&dst)[GDN_QD]) {
 // of 4 warp trees over elements 32 m + lane, added in m order from 0: block_sum's bits over the 128 threads of the
 // block, thread i holding element i), then every thread runs the chunk's rows from shared memory.
 extern "C" __global__ void gdn_recur(const FpGdnRecur p) {
-    pdl_start();
     __shared__ __align__(16) float qs[GDN_CHUNK][GDN_MAX_DK + GDN_MAX_DK / 8];
     __shared__ __align__(16) float ks[GDN_CHUNK][GDN_MAX_DK + GDN_MAX_DK / 8];
     __shared__ float vs[GDN_CHUNK][32];
@@ -135,7 +134,8 @@ extern "C" __global__ void gdn_recur(const FpGdnRecur p) {
     const FpCommon& c = p.c;
     const u32 h = blockIdx.x, s = blockIdx.y;
     if (h >= p.hv || s >= c.nstreams) return;
-    const FpStream& st = stream_of(c, s);
+    u32 slot, rows;
+    stream_early(c, s, slot, rows);
     const u32 q = threadIdx.x & 3, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 e0 = blockIdx.z * (blockDim.x / 4);
     const u32 e = e0 + threadIdx.x / 4;
@@ -146,16 +146,22 @@ extern "C" __global__ void gdn_recur(const FpGdnRecur p) {
     const u32 sw = p.hk * p.dk + p.hv * p.dv + 2 * p.hv;
     const u64 dkdv = (u64)p.dk * p.dv;
     const u32 i0 = q * GDN_QD, n = p.dk > i0 ? (p.dk - i0 < GDN_QD ? p.dk - i0 : GDN_QD) : 0;
-    const float* state = state_of(c, st.slot, p.state) + h * dkdv;
+    const float* state = state_of(c, slot, p.state) + h * dkdv;
     float S[GDN_QD];
 #pragma unroll
-    for (u32 i = 0; i < GDN_QD; i++) S[i] = (own && i < n) ? state[(u64)(i0 + i) * p.dv + e] : 0.0f;
+    for (u32 i = 0; i < GDN_QD; i++) S[i] = (own && i < n) ? ld_early_f32(state + (u64)(i0 + i) * p.dv + e) : 0.0f;
     const float scale = 1.0f / sqrtf((float)p.dk);
     const float alog = -expf(bfw(p.a_log, h));
     const float dtb = bfw(p.dt_bias, h);
+    // The state, the stream's slot and rows, and the weights above are loaded before the wait on the previous kernel
+    // (programmatic dependent launch; the state and the descriptor through L2, `ld_early_*`): no kernel of the round
+    // writes them before this one (the state is written by this kernel at one row, else by gdn_commit at the end of
+    // the round, and the round descriptor by the host between replays), so their memory latency overlaps the
+    // previous kernel. The rows of the window (qkv, a, b) are read after the wait.
+    pdl_start();
     const u32 el = e0 + lane;
-    for (u32 j0 = 0; j0 < st.rows; j0 += GDN_CHUNK) {
-        const u32 nr = st.rows - j0 < GDN_CHUNK ? st.rows - j0 : GDN_CHUNK;
+    for (u32 j0 = 0; j0 < rows; j0 += GDN_CHUNK) {
+        const u32 nr = rows - j0 < GDN_CHUNK ? rows - j0 : GDN_CHUNK;
         float qv[GDN_RPW][GDN_MAX_DK / 32], kv[GDN_RPW][GDN_MAX_DK / 32], vv[GDN_RPW], bv[GDN_RPW], av[GDN_RPW];
 #pragma unroll
         for (u32 t = 0; t < GDN_RPW; t++) {
@@ -228,8 +234,8 @@ extern "C" __global__ void gdn_recur(const FpGdnRecur p) {
     // the same update from the same state gives the same bits); written here and gdn_commit is not launched.
     // A padding stream (rows 0, on a live stream's slot) may read that slot's state while the live stream's block
     // writes it; it uses nothing it read (no rows: no output, no stash, no write), so the race is harmless.
-    if (c.window == 1 && st.rows == 1 && own) {
-        float* out_state = state_of(c, st.slot, p.state) + h * dkdv;
+    if (c.window == 1 && rows == 1 && own) {
+        float* out_state = state_of(c, slot, p.state) + h * dkdv;
 #pragma unroll
         for (u32 i = 0; i < GDN_QD; i++)
             if (i < n) out_state[(u64)(i0 + i) * p.dv + e] = S[i];

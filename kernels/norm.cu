@@ -134,27 +134,42 @@ DEV void hc_norm_group(const float (&xv)[HCN_PER], const float (&nv)[HCN_PER], u
 // writes it (hc_norm_group on the same values): the same bits as hc_write followed by hc_norm. Every load (h, y and
 // the norm weights) is issued before the first store to h, which the compiler could not otherwise move them above
 // (h and y might alias): one memory latency instead of one per element (H200, one row: 4.9 -> 2.9 us a launch).
+//
+// The block's first group of h, its norm weights and the row's descriptor are loaded before the wait on the previous
+// kernel (programmatic dependent launch; h and the descriptor through L2, `ld_early_*`): h was last written by an
+// HcWrite or PleMix at least two kernels back (the layer's read, then its mixer or MoE, come between), and every
+// kernel waits before it lets its dependents launch, so those writes are complete; y (the previous kernel's output)
+// and inj are read after the wait, and nothing is stored before it.
 extern "C" __global__ void hc_write_norm(const FpHcWrite p) {
-    pdl_start();
     __shared__ float sh[32];
     const FpCommon& c = p.c;
     const u32 R = c.nstreams * c.window, W = p.dim * p.hc;
     float* hn = fptr(c.scratch);
+    bool waited = false;
     for (u32 b = blockIdx.x; b < R * p.hc; b += gridDim.x) {
         const u32 r = b / p.hc, cc = b % p.hc;
-        u32 s, j;
-        if (!real_row(c, r, s, j)) continue;
+        u32 slot, rows;
+        stream_early(c, r / c.window, slot, rows);
+        if (r % c.window >= rows) continue;  // real_row, from the descriptor read early
         float* h = fptr(p.h) + (u64)r * W + (u64)cc * p.dim;
         const float* y = fptr(p.y) + (u64)r * p.dim;
-        const float g = fptr(p.inj)[(u64)r * p.hc + cc];
         float hv[HCN_PER], yv[HCN_PER], nv[HCN_PER], xv[HCN_PER];
 #pragma unroll
         for (int u = 0; u < HCN_PER; u++) {
             const u32 i = threadIdx.x + blockDim.x * u;
-            hv[u] = i < p.dim ? h[i] : 0.0f;
-            yv[u] = i < p.dim ? y[i] : 0.0f;
+            hv[u] = i < p.dim ? ld_early_f32(h + i) : 0.0f;
         }
         hc_norm_weights(p.norm, cc, p.dim, nv);
+        if (!waited) {
+            pdl_start();
+            waited = true;
+        }
+        const float g = fptr(p.inj)[(u64)r * p.hc + cc];
+#pragma unroll
+        for (int u = 0; u < HCN_PER; u++) {
+            const u32 i = threadIdx.x + blockDim.x * u;
+            yv[u] = i < p.dim ? y[i] : 0.0f;
+        }
 #pragma unroll
         for (int u = 0; u < HCN_PER; u++) {
             const u32 i = threadIdx.x + blockDim.x * u;
@@ -167,6 +182,7 @@ extern "C" __global__ void hc_write_norm(const FpHcWrite p) {
         hc_norm_group(xv, nv, p.dim, p.eps, sh, hn + (u64)r * W + (u64)cc * p.dim);
         __syncthreads();
     }
+    if (!waited) pdl_start();
 }
 
 extern "C" __global__ void hc_norm(const FpHcRead p) {

@@ -950,12 +950,58 @@ fn sparse_attn_takes_the_tightest_head_bound_that_holds_its_heads() {
         let name = attn::sparse_attn_entry(g);
         let bound: u32 = name["sparse_attn_g".len()..].parse().expect("a bound");
         assert!(bound >= g && bound - g < 4, "{g} heads -> {name}");
-        let entry = format!("extern \"C\" __global__ void {name}(const FpSparseAttn p)");
+        let entry = format!(" {name}(const FpSparseAttn p)");
         assert!(
             src.lines()
-                .any(|l| l.starts_with(&entry) && l.contains(&format!("sparse_attn_g<{bound}>(p)"))),
+                .any(|l| l.starts_with("extern \"C\" __global__ void ")
+                    && l.contains(&entry)
+                    && l.contains(&format!("sparse_attn_g<{bound}>(p)"))),
             "{name} is an entry point of kernels/attn.cu running sparse_attn_g<{bound}>"
         );
     }
     assert_eq!(kernel_define(src, "SA_MAX_G"), 16);
+}
+
+#[test]
+fn what_a_kernel_reads_before_its_wait_is_not_written_by_the_kernel_before_it() {
+    // hc_write_norm reads h, and gdn_recur its recurrent state, before griddepcontrol.wait (kernels/norm.cu,
+    // kernels/gdn.cu): sound only while the launch just before them in the graph (the one they overlap) does not
+    // write what they read early; every earlier launch has completed before they start.
+    for fuse_small in [true, false] {
+        let (mut writes_checked, mut recurs_checked) = (0, 0);
+        for (v, sp) in tiny_specs(fuse_small) {
+            let mut prev: Option<&Op> = None;
+            for (n, s) in v.nodes.iter().zip(&sp) {
+                let Some(s) = s else { continue };
+                if let (Some(p), Op::HcWrite { h, .. }) = (prev, &n.op) {
+                    if s.kernel == "hc_write_norm" {
+                        assert!(
+                            !p.writes().contains(h),
+                            "{}: {:?} writes h",
+                            v.kind.name(),
+                            p.kernel()
+                        );
+                        writes_checked += 1;
+                    }
+                }
+                if let (Some(p), Op::GdnRecur { state, .. }) = (prev, &n.op) {
+                    assert_eq!(s.kernel, "gdn_recur");
+                    assert!(
+                        !p.states().contains(state),
+                        "{}: {}",
+                        v.kind.name(),
+                        p.kernel()
+                    );
+                    recurs_checked += 1;
+                }
+                prev = Some(&n.op);
+            }
+        }
+        assert!(recurs_checked > 0, "no gdn_recur launch checked");
+        assert_eq!(
+            writes_checked > 0,
+            fuse_small,
+            "hc_write_norm launches checked"
+        );
+    }
 }
