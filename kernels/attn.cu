@@ -346,29 +346,38 @@ DEV void sparse_attn_g(const FpSparseAttn& p) {
     const u64 w = (u64)p.kv_heads * hd;
     const float scale = 1.0f / sqrtf((float)hd);
     const u32 nsplit = sa_nsplit(p);
+    bool waited = false;
     for (u32 r = blockIdx.x; r < R; r += gridDim.x) {
-        u32 s, j;
-        if (!real_row(c, r, s, j)) continue;
-        const FpStream& st = stream_of(c, s);
-        const u32 pos = st.pos + j;
+        // The row's descriptor, read before the wait (`ld_early_u32`; real_row and stream_of's fields).
+        const FpStream* sd = (const FpStream*)c.streams + r / c.window;
+        const u32 j = r % c.window;
+        if (j >= ld_early_u32(&sd->rows)) continue;
+        const u32 pos = ld_early_u32(&sd->pos) + j;
+        const u32 slot = ld_early_u32(&sd->slot);
         u32 nsel, nb;
         const u32 nt = sa_nt(p, pos, nsel, nb);
         const u32 m0 = z * SA_CHUNK;
         if (m0 >= nt) continue;
         const u32 cnt = nt - m0 < SA_CHUNK ? nt - m0 : SA_CHUNK;
         const u32* sel = uptr(p.sel) + (u64)r * p.topk;
-        const float* kc = state_of(c, st.slot, p.k_cache);
-        const float* vc = state_of(c, st.slot, p.v_cache);
+        const float* kc = state_of(c, slot, p.k_cache);
+        const float* vc = state_of(c, slot, p.v_cache);
         // The arithmetic depends on hd only; the alignment of the slot's cache picks vector or scalar loads of the
         // same 8 values.
         const bool aligned = ((((u64)kc) | (w * 4)) & 15) == 0;
+        const float* q = fptr(p.q) + (u64)r * p.heads * hd + (u64)kv * G * hd;
+        // Every thread's values of q loaded before any is stored (a load-then-store loop paid one latency a value),
+        // and before the wait on the previous kernel (through L2, `ld_early_f32`): q comes from attn_prep, three
+        // launches back (the indexer's prep, score and select between). The selection is the previous kernel's.
+        block_store_row(qs, G * hd, 1, 0, [&](u32 i) { return ld_early_f32(q + i); });
+        if (!waited) {
+            pdl_start();
+            waited = true;
+        }
         for (u32 i = threadIdx.x; i < cnt; i += blockDim.x) {
             const u32 m = m0 + i;
             toks[i] = m < nsel * p.ratio ? sel[m / p.ratio] * p.ratio + m % p.ratio : nb * p.ratio + m - nsel * p.ratio;
         }
-        const float* q = fptr(p.q) + (u64)r * p.heads * hd + (u64)kv * G * hd;
-        // Every thread's values of q loaded before any is stored (a load-then-store loop paid one latency a value).
-        block_store_row(qs, G * hd, 1, 0, [&](u32 i) { return q[i]; });
         __syncthreads();
         // Scores: warp per token. Fast path (hd <= 256, a multiple of 8): each warp loads all its tokens' keys first;
         // lane l holds dims 4 l .. 4 l + 3 and 128 + 4 l .. + 3 (`sa_dims`), so each 16-byte load of the warp, from
@@ -472,15 +481,16 @@ DEV void sparse_attn_g(const FpSparseAttn& p) {
         }
         __syncthreads();
     }
+    if (!waited) pdl_start();
 }
 
 // Entry points by the bound of the head loops (runtime/src/cuda/launch/attn.rs: the smallest GM >= G), each
 // compiled on its own (one kernel holding all four took 150 registers), three blocks an SM: 80 registers, no
 // spills (H200, 16 rows: 124.6 -> 112.4 us a replay with the 16-byte P.V reads above, against two blocks an SM).
-extern "C" __global__ void __launch_bounds__(256, 3) sparse_attn_g4(const FpSparseAttn p) { pdl_start(); sparse_attn_g<4>(p); }
-extern "C" __global__ void __launch_bounds__(256, 3) sparse_attn_g8(const FpSparseAttn p) { pdl_start(); sparse_attn_g<8>(p); }
-extern "C" __global__ void __launch_bounds__(256, 3) sparse_attn_g12(const FpSparseAttn p) { pdl_start(); sparse_attn_g<12>(p); }
-extern "C" __global__ void __launch_bounds__(256, 3) sparse_attn_g16(const FpSparseAttn p) { pdl_start(); sparse_attn_g<16>(p); }
+extern "C" __global__ void __launch_bounds__(256, 3) sparse_attn_g4(const FpSparseAttn p) { sparse_attn_g<4>(p); }
+extern "C" __global__ void __launch_bounds__(256, 3) sparse_attn_g8(const FpSparseAttn p) { sparse_attn_g<8>(p); }
+extern "C" __global__ void __launch_bounds__(256, 3) sparse_attn_g12(const FpSparseAttn p) { sparse_attn_g<12>(p); }
+extern "C" __global__ void __launch_bounds__(256, 3) sparse_attn_g16(const FpSparseAttn p) { sparse_attn_g<16>(p); }
 
 extern "C" __global__ void sparse_attn_combine(const FpSparseAttn p) {
     pdl_start();

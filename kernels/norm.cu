@@ -36,18 +36,22 @@ extern "C" __global__ void rms_norm(const FpRmsNorm p) {
 }
 
 // Per head of dim: y = w * (x * (1 / sqrt(mean(x^2) + eps))) * act(z); one warp per (row, head), grid-stride.
-// Head widths up to 32 * GN_PER take gated_norm's register path.
+// Head widths up to 32 * GN_PER take gated_norm's register path. There the gate z, the weights and the row's
+// descriptor are loaded before the wait on the previous kernel (z and the descriptor through L2, `ld_early_*`): z
+// comes from the layer's input projection, at least three launches back (the conv and the recurrence between), so
+// only x, the previous kernel's output, waits.
 #define GN_PER 8
 extern "C" __global__ void gated_norm(const FpGatedNorm p) {
-    pdl_start();
     const FpCommon& c = p.c;
     const u32 R = c.nstreams * c.window;
     const u32 lane = threadIdx.x & 31;
     const u32 gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5, nwarps = (gridDim.x * blockDim.x) >> 5;
+    bool waited = false;
     for (u32 it = gw; it < R * p.heads; it += nwarps) {
         const u32 r = it / p.heads, h = it % p.heads;
-        u32 s, j;
-        if (!real_row(c, r, s, j)) continue;
+        u32 slot, rows;
+        stream_early(c, r / c.window, slot, rows);
+        if (r % c.window >= rows) continue;  // real_row, from the descriptor read early
         const u64 base = ((u64)r * p.heads + h) * p.dim;
         const float* x = fptr(p.x) + base;
         const float* z = fptr(p.z) + base;
@@ -58,9 +62,17 @@ extern "C" __global__ void gated_norm(const FpGatedNorm p) {
 #pragma unroll
             for (int u = 0; u < GN_PER; u++) {
                 const u32 i = lane + 32 * u;
-                xv[u] = i < p.dim ? x[i] : 0.0f;
-                zv[u] = i < p.dim ? z[i] : 0.0f;
+                zv[u] = i < p.dim ? ld_early_f32(z + i) : 0.0f;
                 wv[u] = i < p.dim ? bfw(p.w, i) : 0.0f;
+            }
+            if (!waited) {
+                pdl_start();
+                waited = true;
+            }
+#pragma unroll
+            for (int u = 0; u < GN_PER; u++) {
+                const u32 i = lane + 32 * u;
+                xv[u] = i < p.dim ? x[i] : 0.0f;
             }
             float ss = 0.0f;
 #pragma unroll
@@ -76,6 +88,10 @@ extern "C" __global__ void gated_norm(const FpGatedNorm p) {
             }
             continue;
         }
+        if (!waited) {
+            pdl_start();
+            waited = true;
+        }
         float ss = 0.0f;
         for (u32 i = lane; i < p.dim; i += 32) ss += x[i] * x[i];
         ss = warp_sum(ss);
@@ -85,6 +101,7 @@ extern "C" __global__ void gated_norm(const FpGatedNorm p) {
             fptr(p.out)[base + i] = bfw(p.w, i) * (x[i] * inv) * g;
         }
     }
+    if (!waited) pdl_start();
 }
 
 // Hyper-connection read in three or four launches (one node), or with `FLASHPLAN_FUSE_SMALL` up to 4 rows in one or

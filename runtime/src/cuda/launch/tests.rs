@@ -964,11 +964,12 @@ fn sparse_attn_takes_the_tightest_head_bound_that_holds_its_heads() {
 
 #[test]
 fn what_a_kernel_reads_before_its_wait_is_not_written_by_the_kernel_before_it() {
-    // hc_write_norm reads h, and gdn_recur its recurrent state, before griddepcontrol.wait (kernels/norm.cu,
-    // kernels/gdn.cu): sound only while the launch just before them in the graph (the one they overlap) does not
-    // write what they read early; every earlier launch has completed before they start.
+    // Before griddepcontrol.wait, hc_write_norm reads h, gdn_recur its recurrent state, gated_norm its gate z and
+    // sparse_attn its q (kernels/norm.cu, gdn.cu, attn.cu): sound only while the launch just before them in the
+    // graph (the one they overlap) does not write what they read early; every earlier launch has completed before
+    // they start.
     for fuse_small in [true, false] {
-        let (mut writes_checked, mut recurs_checked) = (0, 0);
+        let (mut writes_checked, mut recurs_checked, mut others) = (0, 0, 0);
         for (v, sp) in tiny_specs(fuse_small) {
             let mut prev: Option<&Op> = None;
             for (n, s) in v.nodes.iter().zip(&sp) {
@@ -984,6 +985,21 @@ fn what_a_kernel_reads_before_its_wait_is_not_written_by_the_kernel_before_it() 
                         writes_checked += 1;
                     }
                 }
+                let early = match &n.op {
+                    Op::GatedNorm { z, .. } => Some(z),
+                    Op::SparseAttn { q, .. } => Some(q),
+                    _ => None,
+                };
+                if let (Some(p), Some(b)) = (prev, early) {
+                    assert!(
+                        !p.writes().contains(b),
+                        "{}: {} before {}",
+                        v.kind.name(),
+                        p.kernel(),
+                        n.op.kernel()
+                    );
+                    others += 1;
+                }
                 if let (Some(p), Op::GdnRecur { state, .. }) = (prev, &n.op) {
                     assert_eq!(s.kernel, "gdn_recur");
                     assert!(
@@ -998,6 +1014,7 @@ fn what_a_kernel_reads_before_its_wait_is_not_written_by_the_kernel_before_it() 
             }
         }
         assert!(recurs_checked > 0, "no gdn_recur launch checked");
+        assert!(others > 0, "no gated_norm or sparse_attn launch checked");
         assert_eq!(
             writes_checked > 0,
             fuse_small,
