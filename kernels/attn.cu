@@ -6,6 +6,27 @@
 // A lane's values of a head of at most ATTN_MAX_HD: lane, lane + 32, ...
 #define ATTN_HD_U (ATTN_MAX_HD / 32)
 
+// One head of attn_prep by a warp: out = RoPE(norm(x)) at position pos, and copy_out = copy (the gate of a query
+// head, v of a kv head), both hd long. Every load (x, its norm weights, copy) is issued before the first store (the
+// stores might alias the loads for all the compiler knows); rms_warp_reg gives rms_warp's bits. `b`: the warp's
+// shared buffer of ATTN_MAX_HD.
+DEV void attn_head_prep(const float* x, const float* copy, const FpAttnPrep& p, u64 norm, u32 pos, float* out,
+                        float* copy_out, float* b, u32 lane) {
+    float xv[ATTN_HD_U], cv[ATTN_HD_U];
+    load_strided(xv, lane, 32, p.hd, 0.0f, [&](u32 i) { return x[i]; });
+    load_strided(cv, lane, 32, p.hd, 0.0f, [&](u32 i) { return copy[i]; });
+    rms_warp_reg(xv, norm, b, p.hd, p.eps, lane);
+    rope_warp(b, fptr(p.rope), p.rot_half, pos, p.attn_factor, lane);
+#pragma unroll
+    for (int u = 0; u < ATTN_HD_U; u++) {
+        const u32 i = lane + 32 * u;
+        if (i < p.hd) {
+            out[i] = b[i];
+            copy_out[i] = cv[u];
+        }
+    }
+}
+
 // Block (row, group of 8 heads over blockIdx.y), one warp per head: q = RoPE(q_norm(q part)), gate copied;
 // k = RoPE(k_norm(k)) and v written to the slot's caches at pos + j. A head's values never depend on the grid.
 extern "C" __global__ void attn_prep(const FpAttnPrep p) {
@@ -22,44 +43,16 @@ extern "C" __global__ void attn_prep(const FpAttnPrep p) {
         const u32 pos = st.pos + j;
         float* b = buf[warp];
         for (u32 hh = blockIdx.y * nw + warp; hh < p.heads + p.kv_heads; hh += gridDim.y * nw) {
-            // Every load of the head (its raw values, their norm weights, the gate or v it copies) is issued
-            // before the first store; rms_warp_reg gives rms_warp's bits.
-            float xv[ATTN_HD_U], cv[ATTN_HD_U];
             if (hh < p.heads) {
+                const u64 o = (u64)r * p.heads * hd + hh * hd;
                 const float* src = fptr(p.q_raw) + (u64)r * p.heads * 2 * hd + (u64)hh * 2 * hd;
-                load_strided(xv, lane, 32, hd, 0.0f, [&](u32 i) { return src[i]; });
-                load_strided(cv, lane, 32, hd, 0.0f, [&](u32 i) { return src[hd + i]; });
-                rms_warp_reg(xv, p.q_norm, b, hd, p.eps, lane);
-                rope_warp(b, fptr(p.rope), p.rot_half, pos, p.attn_factor, lane);
-                float* q = fptr(p.q) + (u64)r * p.heads * hd + hh * hd;
-                float* gate = fptr(p.gate) + (u64)r * p.heads * hd + hh * hd;
-#pragma unroll
-                for (int u = 0; u < ATTN_HD_U; u++) {
-                    const u32 i = lane + 32 * u;
-                    if (i < hd) {
-                        q[i] = b[i];
-                        gate[i] = cv[u];
-                    }
-                }
+                attn_head_prep(src, src + hd, p, p.q_norm, pos, fptr(p.q) + o, fptr(p.gate) + o, b, lane);
             } else {
                 const u32 kh = hh - p.heads;
-                const u64 w = (u64)p.kv_heads * hd;
-                const float* src = fptr(p.k_raw) + (u64)r * w + kh * hd;
-                const float* vr = fptr(p.v_raw) + (u64)r * w + kh * hd;
-                load_strided(xv, lane, 32, hd, 0.0f, [&](u32 i) { return src[i]; });
-                load_strided(cv, lane, 32, hd, 0.0f, [&](u32 i) { return vr[i]; });
-                rms_warp_reg(xv, p.k_norm, b, hd, p.eps, lane);
-                rope_warp(b, fptr(p.rope), p.rot_half, pos, p.attn_factor, lane);
-                float* kc = state_of(c, st.slot, p.k_cache) + (u64)pos * w + kh * hd;
-                float* vc = state_of(c, st.slot, p.v_cache) + (u64)pos * w + kh * hd;
-#pragma unroll
-                for (int u = 0; u < ATTN_HD_U; u++) {
-                    const u32 i = lane + 32 * u;
-                    if (i < hd) {
-                        kc[i] = b[i];
-                        vc[i] = cv[u];
-                    }
-                }
+                const u64 w = (u64)p.kv_heads * hd, o = (u64)pos * w + kh * hd;
+                const u64 in = (u64)r * w + kh * hd;
+                attn_head_prep(fptr(p.k_raw) + in, fptr(p.v_raw) + in, p, p.k_norm, pos,
+                               state_of(c, st.slot, p.k_cache) + o, state_of(c, st.slot, p.v_cache) + o, b, lane);
             }
             __syncwarp();
         }
