@@ -335,7 +335,10 @@ DEV void sparse_attn_g(const FpSparseAttn& p) {
     const u32 R = c.nstreams * c.window;
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const u32 hd = p.hd, G = p.heads / p.kv_heads, kv = blockIdx.y, z = blockIdx.z;
-    if (kv >= p.kv_heads) return;
+    if (kv >= p.kv_heads) {
+        pdl_start();  // no early exit before the wait (common.cuh, ld_early_*)
+        return;
+    }
     const u64 w = (u64)p.kv_heads * hd;
     const float scale = 1.0f / sqrtf((float)hd);
     const u32 nsplit = sa_nsplit(p);
@@ -360,8 +363,9 @@ DEV void sparse_attn_g(const FpSparseAttn& p) {
         const bool aligned = ((((u64)kc) | (w * 4)) & 15) == 0;
         const float* q = fptr(p.q) + (u64)r * p.heads * hd + (u64)kv * G * hd;
         // Every thread's values of q loaded before any is stored (a load-then-store loop paid one latency a value),
-        // and before the wait on the previous kernel (through L2, `ld_early_f32`): q comes from attn_prep, three
-        // launches back (the indexer's prep, score and select between). The selection is the previous kernel's.
+        // and before the wait on the previous kernel (through L2, `ld_early_f32` in common.cuh, which gives the rule):
+        // q comes from attn_prep, further back (the indexer's prep, score and select between). The selection is the
+        // previous kernel's.
         block_store_row(qs, G * hd, 1, 0, [&](u32 i) { return ld_early_f32(q + i); });
         if (!waited) {
             pdl_start();
@@ -386,9 +390,9 @@ DEV void sparse_attn_g(const FpSparseAttn& p) {
             for (int u = 0; u < SA_CHUNK / ATTN_WARPS; u++) {
                 const u32 i = warp + nw * u;
                 if (i >= cnt) break;
-                float a[16];
+                float a[SA_MAX_G];
 #pragma unroll
-                for (int g = 0; g < 16; g++) {
+                for (int g = 0; g < SA_MAX_G; g++) {
                     a[g] = 0.0f;
                     if (g >= GM) continue;
                     float qv[8];

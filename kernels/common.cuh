@@ -27,22 +27,33 @@ DEV void pdl_start() {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
-// Loads for the code before griddepcontrol.wait (pdl_start), of data that changes between replays or rounds (round
-// descriptors, recurrent state, the residual stream): through L2 only (ld.global.cg). The wait is what makes the
-// earlier kernels' and the host's writes visible to this grid; before it, an SM's L1 may still hold a line from
-// before them (H200: gdn_recur's state read early through L1 changed one-row results). L2 is coherent, and every
-// kernel whose writes such a load needs has completed before this grid could start (each kernel lets its dependents
-// launch only after its own wait), the host's copies before the graph launch.
-DEV u32 ld_early_u32(const u32* p) {
-    u32 v;
-    asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(p));
-    return v;
-}
-DEV float ld_early_f32(const float* p) {
+// A load from L2, not L1 (ld.global.cg): values other blocks or earlier kernels wrote where this SM's L1 might
+// still hold an older line (router_topk_block after the fences of the last-block count, and the early loads below).
+DEV float ld_cg(const float* p) {
     float v;
-    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
     return v;
 }
+DEV u32 ld_cg_u32(const u32* p) {
+    u32 v;
+    asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// Loads for the code before griddepcontrol.wait (pdl_start) of data that changes between replays or rounds (round
+// descriptors, recurrent state, the residual stream, earlier kernels' outputs) go through L2 only (ld_cg). The wait
+// is what makes the earlier kernels' and the host's writes visible to this grid, so before it an SM's L1 might
+// still hold a line from before them. (On the H200 the L1 form of these loads was not shown to read stale data:
+// the one-row digest that changed with it changed from run to run with the L2 form too, from the benchmark's
+// graphs of back-to-back copies of one node; L2 is the conservative choice.) Such a load needs the writer to have
+// completed: every kernel of the graph's main stream lets its dependents launch only after its own wait, so every
+// main-stream launch before the previous one has completed when this grid starts (side-branch launches forked and
+// not yet joined may still run; they write only the side arena and side scratch). The launch test
+// `what_a_kernel_reads_before_its_wait_is_not_written_by_the_kernel_before_it` checks that the previous launch does
+// not write what a kernel reads early. A block that returns before its wait must wait first (pdl_start), or its
+// dependents could start before the previous kernel ends.
+DEV float ld_early_f32(const float* p) { return ld_cg(p); }
+DEV u32 ld_early_u32(const u32* p) { return ld_cg_u32(p); }
 
 // Grid barrier of a launch whose blocks are all on the GPU at once (the launch checks that its grid fits; a block
 // waiting here for one that cannot start would wait forever), on a u32 counter in device memory: every block adds
@@ -105,11 +116,11 @@ DEV void block_store_row(float* dst, u32 n, u32 copies, u64 stride, F f) {
 }
 
 DEV const FpStream& stream_of(const FpCommon& c, u32 s) { return ((const FpStream*)c.streams)[s]; }
-// Stream s's slot and row count read before the wait (ld_early_u32).
+// Stream s's slot and row count, or row count alone, read before the wait (ld_early_u32).
+DEV u32 stream_rows_early(const FpCommon& c, u32 s) { return ld_early_u32(&((const FpStream*)c.streams + s)->rows); }
 DEV void stream_early(const FpCommon& c, u32 s, u32& slot, u32& rows) {
-    const FpStream* st = (const FpStream*)c.streams + s;
-    slot = ld_early_u32(&st->slot);
-    rows = ld_early_u32(&st->rows);
+    slot = ld_early_u32(&((const FpStream*)c.streams + s)->slot);
+    rows = stream_rows_early(c, s);
 }
 DEV u32 token_of(const FpCommon& c, u32 r) { return ((const u32*)c.tokens)[r]; }
 DEV float* state_of(const FpCommon& c, u32 slot, u64 off) {

@@ -60,8 +60,9 @@ extern "C" __global__ void gdn_conv(const FpGdnConv p) {
                 fptr(p.out)[((u64)s * c.window + j) * p.channels + ch] = siluf_(acc);
             }
             // Window of one row (kernels of more than GDN_CONV_ONE taps; gdn_conv_one above does the same): its row
-            // is always kept (keep_count: keep = rows), so this thread shifts its channel's conv state here, exactly as gdn_commit would with keep = 1 (gdn_commit is not launched for
-            // such variants: `commit_in_window_one`, runtime/src/cuda/launch/gdn.rs). Padding streams (rows 0) write nothing.
+            // is always kept (keep_count: keep = rows), so this thread shifts its channel's conv state here, exactly
+            // as gdn_commit would with keep = 1 (gdn_commit is not launched for such variants:
+            // `commit_in_window_one`, runtime/src/cuda/launch/gdn.rs). Padding streams (rows 0) write nothing.
             if (c.window == 1 && st.rows == 1) {
                 float* cs = state_of(c, st.slot, p.state);
                 for (u32 i = 0; i < K1; i++)
@@ -133,7 +134,10 @@ extern "C" __global__ void gdn_recur(const FpGdnRecur p) {
     __shared__ float bs[GDN_CHUNK];
     const FpCommon& c = p.c;
     const u32 h = blockIdx.x, s = blockIdx.y;
-    if (h >= p.hv || s >= c.nstreams) return;
+    if (h >= p.hv || s >= c.nstreams) {
+        pdl_start();  // no early exit before the wait (common.cuh, ld_early_*)
+        return;
+    }
     u32 slot, rows;
     stream_early(c, s, slot, rows);
     const u32 q = threadIdx.x & 3, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -154,10 +158,11 @@ extern "C" __global__ void gdn_recur(const FpGdnRecur p) {
     const float alog = -expf(bfw(p.a_log, h));
     const float dtb = bfw(p.dt_bias, h);
     // The state, the stream's slot and rows, and the weights above are loaded before the wait on the previous kernel
-    // (programmatic dependent launch; the state and the descriptor through L2, `ld_early_*`): no kernel of the round
-    // writes them before this one (the state is written by this kernel at one row, else by gdn_commit at the end of
-    // the round, and the round descriptor by the host between replays), so their memory latency overlaps the
-    // previous kernel. The rows of the window (qkv, a, b) are read after the wait.
+    // (programmatic dependent launch; the state and the descriptor through L2, `ld_early_*` in common.cuh, which
+    // gives the rule): no kernel of the round writes them before this one (the state is written by this kernel at
+    // one row, else by gdn_commit at the end of the round, and the round descriptor by the host between replays),
+    // so their memory latency overlaps the previous kernel. The rows of the window (qkv, a, b) are read after the
+    // wait.
     pdl_start();
     const u32 el = e0 + lane;
     for (u32 j0 = 0; j0 < rows; j0 += GDN_CHUNK) {

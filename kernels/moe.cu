@@ -54,13 +54,6 @@ DEV void router_t(const FpRouter& p, u32 R) {
 // Router block size of router_topk (the softmax's block trees): router_topk_warp reproduces its sums over it.
 #define ROUTER_TOPK_THREADS 1024
 
-// A load from L2 (not L1): values other blocks of this launch wrote (after the fences of the last-block count).
-DEV float ld_cg(const float* p) {
-    float v;
-    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
-    return v;
-}
-
 // (key, id) ranks before (bk, bi): key descending, id ascending.
 DEV bool topk_before(u32 key, u32 id, u32 bk, u32 bi) { return key > bk || (key == bk && id < bi); }
 

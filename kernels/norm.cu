@@ -49,9 +49,7 @@ extern "C" __global__ void gated_norm(const FpGatedNorm p) {
     bool waited = false;
     for (u32 it = gw; it < R * p.heads; it += nwarps) {
         const u32 r = it / p.heads, h = it % p.heads;
-        u32 slot, rows;
-        stream_early(c, r / c.window, slot, rows);
-        if (r % c.window >= rows) continue;  // real_row, from the descriptor read early
+        if (r % c.window >= stream_rows_early(c, r / c.window)) continue;  // real_row, from the descriptor read early
         const u64 base = ((u64)r * p.heads + h) * p.dim;
         const float* x = fptr(p.x) + base;
         const float* z = fptr(p.z) + base;
@@ -153,10 +151,10 @@ DEV void hc_norm_group(const float (&xv)[HCN_PER], const float (&nv)[HCN_PER], u
 // (h and y might alias): one memory latency instead of one per element (H200, one row: 4.9 -> 2.9 us a launch).
 //
 // The block's first group of h, its norm weights and the row's descriptor are loaded before the wait on the previous
-// kernel (programmatic dependent launch; h and the descriptor through L2, `ld_early_*`): h was last written by an
-// HcWrite or PleMix at least two kernels back (the layer's read, then its mixer or MoE, come between), and every
-// kernel waits before it lets its dependents launch, so those writes are complete; y (the previous kernel's output)
-// and inj are read after the wait, and nothing is stored before it.
+// kernel (programmatic dependent launch; h and the descriptor through L2, `ld_early_*` in common.cuh, which gives
+// the rule): h was last written by an HcWrite or PleMix at least two kernels back (the layer's read, then its mixer
+// or MoE, come between); y (the previous kernel's output) and inj are read after the wait, and nothing is stored
+// before it.
 extern "C" __global__ void hc_write_norm(const FpHcWrite p) {
     __shared__ float sh[32];
     const FpCommon& c = p.c;
@@ -165,9 +163,7 @@ extern "C" __global__ void hc_write_norm(const FpHcWrite p) {
     bool waited = false;
     for (u32 b = blockIdx.x; b < R * p.hc; b += gridDim.x) {
         const u32 r = b / p.hc, cc = b % p.hc;
-        u32 slot, rows;
-        stream_early(c, r / c.window, slot, rows);
-        if (r % c.window >= rows) continue;  // real_row, from the descriptor read early
+        if (r % c.window >= stream_rows_early(c, r / c.window)) continue;  // real_row, from the descriptor read early
         float* h = fptr(p.h) + (u64)r * W + (u64)cc * p.dim;
         const float* y = fptr(p.y) + (u64)r * p.dim;
         float hv[HCN_PER], yv[HCN_PER], nv[HCN_PER], xv[HCN_PER];

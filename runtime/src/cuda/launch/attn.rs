@@ -83,6 +83,11 @@ pub(super) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
             eps,
             ..
         } => {
+            if *id > 512 {
+                return Err(BackendError::Device(format!(
+                    "indexer_prep: head dim {id} (at most 512) is not supported"
+                )));
+            }
             let p = FpIndexerPrep {
                 c,
                 qk: a.buf(v, *qk),

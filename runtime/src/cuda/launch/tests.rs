@@ -35,6 +35,17 @@ fn specs_of(
     side_scratch: u64,
     sms: u32,
 ) -> Vec<(Variant, Vec<Option<LaunchSpec>>)> {
+    specs_of_fused(body, fuse_small, side_scratch, sms, true)
+}
+
+/// [`specs_of`] with the sibling linears fused (`FLASHPLAN_FUSE_LINEAR`) or not.
+fn specs_of_fused(
+    body: &PlanBody,
+    fuse_small: bool,
+    side_scratch: u64,
+    sms: u32,
+    fuse_linears: bool,
+) -> Vec<(Variant, Vec<Option<LaunchSpec>>)> {
     let weights: Vec<u64> = (0..body.weights.len() as u64)
         .map(|i| 0x1000_0000 + (i << 20))
         .collect();
@@ -68,7 +79,7 @@ fn specs_of(
                 prefetch_budget: prefetch_budget(v.kind),
                 moved: &[],
             };
-            (v.clone(), specs(&a, v, true).expect("specs"))
+            (v.clone(), specs(&a, v, fuse_linears).expect("specs"))
         })
         .collect()
 }
@@ -965,15 +976,20 @@ fn sparse_attn_takes_the_tightest_head_bound_that_holds_its_heads() {
 #[test]
 fn what_a_kernel_reads_before_its_wait_is_not_written_by_the_kernel_before_it() {
     // Before griddepcontrol.wait, hc_write_norm reads h, gdn_recur its recurrent state, gated_norm its gate z and
-    // sparse_attn its q (kernels/norm.cu, gdn.cu, attn.cu): sound only while the launch just before them in the
-    // graph (the one they overlap) does not write what they read early; every earlier launch has completed before
-    // they start.
-    for fuse_small in [true, false] {
+    // sparse_attn its q (kernels/norm.cu, gdn.cu, attn.cu; the rule at common.cuh `ld_early_*`): sound only while
+    // the launch just before them in the graph (the one they overlap) writes none of it. That launch covers its
+    // node and the nodes without a launch of their own after it (fused into it: a run of sibling linears).
+    let body = crate::cuda::fuse::tests::tiny_plan();
+    for (fuse_small, fuse_linears) in [(true, true), (false, true), (true, false)] {
         let mut checked: std::collections::BTreeMap<&str, usize> = Default::default();
-        for (v, sp) in tiny_specs(fuse_small) {
-            let mut prev: Option<&Op> = None;
+        for (v, sp) in specs_of_fused(&body, fuse_small, SIDE_SCRATCH, 132, fuse_linears) {
+            // The ops of the previous launch.
+            let mut prev: Vec<&Op> = Vec::new();
             for (n, s) in v.nodes.iter().zip(&sp) {
-                let Some(s) = s else { continue };
+                let Some(s) = s else {
+                    prev.push(&n.op);
+                    continue;
+                };
                 // What the launch reads before its wait: a buffer, or (gdn_recur) a state piece.
                 let (buf, state) = match &n.op {
                     Op::HcWrite { h, .. } if s.kernel == "hc_write_norm" => (Some(h), None),
@@ -982,19 +998,21 @@ fn what_a_kernel_reads_before_its_wait_is_not_written_by_the_kernel_before_it() 
                     Op::GdnRecur { state, .. } => (None, Some(state)),
                     _ => (None, None),
                 };
-                if let Some(p) = prev.filter(|_| buf.is_some() || state.is_some()) {
-                    let clash = buf.is_some_and(|b| p.writes().contains(b))
-                        || state.is_some_and(|st| p.states().contains(st));
-                    assert!(
-                        !clash,
-                        "{}: {} before {}",
-                        v.kind.name(),
-                        p.kernel(),
-                        s.kernel
-                    );
+                if !prev.is_empty() && (buf.is_some() || state.is_some()) {
+                    for p in &prev {
+                        let clash = buf.is_some_and(|b| p.writes().contains(b))
+                            || state.is_some_and(|st| p.states().contains(st));
+                        assert!(
+                            !clash,
+                            "{}: {} before {}",
+                            v.kind.name(),
+                            p.kernel(),
+                            s.kernel
+                        );
+                    }
                     *checked.entry(n.op.kernel()).or_default() += 1;
                 }
-                prev = Some(&n.op);
+                prev = vec![&n.op];
             }
         }
         let mut want = vec!["gated_norm", "gdn_recur", "sparse_attn"];
