@@ -50,8 +50,9 @@ DEV u32 ld_cg_u32(const u32* p) {
 // main-stream launch before the previous one has completed when this grid starts (side-branch launches forked and
 // not yet joined may still run; they write only the side arena and side scratch). The launch test
 // `what_a_kernel_reads_before_its_wait_is_not_written_by_the_kernel_before_it` checks that the previous launch does
-// not write what a kernel reads early. A block that returns before its wait must wait first (pdl_start), or its
-// dependents could start before the previous kernel ends.
+// not write what a kernel reads early. A block that returns before its wait waits first (pdl_start): a block's exit
+// counts as its trigger, so a grid whose blocks all returned early would let its dependents start before the
+// previous kernel ends.
 DEV float ld_early_f32(const float* p) { return ld_cg(p); }
 DEV u32 ld_early_u32(const u32* p) { return ld_cg_u32(p); }
 

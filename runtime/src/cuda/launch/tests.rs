@@ -973,46 +973,86 @@ fn sparse_attn_takes_the_tightest_head_bound_that_holds_its_heads() {
     assert_eq!(kernel_define(src, "SA_MAX_G"), 16);
 }
 
+/// The launches of a variant in graph order, each with the ops it covers: its own node and the nodes after it that
+/// have no launch of their own (fused into it, as a run of sibling linears; moved to a side branch, as the shared
+/// expert; or done by another launch, as a window-1 gdn_commit), all counted as the launch's for safety.
+fn launches_with_ops<'a>(
+    v: &'a Variant,
+    sp: &'a [Option<LaunchSpec>],
+) -> Vec<(&'a LaunchSpec, &'a Op, Vec<&'a Op>)> {
+    let mut out: Vec<(&LaunchSpec, &Op, Vec<&Op>)> = Vec::new();
+    for (n, s) in v.nodes.iter().zip(sp) {
+        match s {
+            Some(s) => out.push((s, &n.op, vec![&n.op])),
+            None => {
+                if let Some(last) = out.last_mut() {
+                    last.2.push(&n.op);
+                }
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn a_fused_run_of_linears_is_one_launch_covering_every_linear_of_the_run() {
+    // What launches_with_ops gives the early-load test below: with FLASHPLAN_FUSE_LINEAR, a GDN layer's input
+    // projections (qkv, z, b, a) are one launch, and that launch covers all four linears' outputs.
+    let body = crate::cuda::fuse::tests::tiny_plan();
+    let mut seen = 0;
+    for (v, sp) in specs_of_fused(&body, true, SIDE_SCRATCH, 132, true) {
+        for (s, _, ops) in launches_with_ops(&v, &sp) {
+            let linears = ops
+                .iter()
+                .filter(|o| matches!(o, Op::Linear { .. }))
+                .count();
+            if s.kernel.starts_with("linear_multi") {
+                assert!(
+                    linears >= 2,
+                    "{}: {} covers {linears} linears",
+                    v.kind.name(),
+                    s.kernel
+                );
+                seen += 1;
+            }
+        }
+    }
+    assert!(seen > 0, "no fused linear launch in the tiny plan");
+}
+
 #[test]
 fn what_a_kernel_reads_before_its_wait_is_not_written_by_the_kernel_before_it() {
     // Before griddepcontrol.wait, hc_write_norm reads h, gdn_recur its recurrent state, gated_norm its gate z and
     // sparse_attn its q (kernels/norm.cu, gdn.cu, attn.cu; the rule at common.cuh `ld_early_*`): sound only while
-    // the launch just before them in the graph (the one they overlap) writes none of it. That launch covers its
-    // node and the nodes without a launch of their own after it (fused into it: a run of sibling linears).
+    // the launch just before them in the graph (the one they overlap) writes none of it, in any of the ops it
+    // covers (launches_with_ops).
     let body = crate::cuda::fuse::tests::tiny_plan();
     for (fuse_small, fuse_linears) in [(true, true), (false, true), (true, false)] {
         let mut checked: std::collections::BTreeMap<&str, usize> = Default::default();
         for (v, sp) in specs_of_fused(&body, fuse_small, SIDE_SCRATCH, 132, fuse_linears) {
-            // The ops of the previous launch.
-            let mut prev: Vec<&Op> = Vec::new();
-            for (n, s) in v.nodes.iter().zip(&sp) {
-                let Some(s) = s else {
-                    prev.push(&n.op);
-                    continue;
-                };
+            let launches = launches_with_ops(&v, &sp);
+            for pair in launches.windows(2) {
+                let ((_, _, prev), (s, op, _)) = (&pair[0], &pair[1]);
                 // What the launch reads before its wait: a buffer, or (gdn_recur) a state piece.
-                let (buf, state) = match &n.op {
+                let (buf, state) = match op {
                     Op::HcWrite { h, .. } if s.kernel == "hc_write_norm" => (Some(h), None),
                     Op::GatedNorm { z, .. } => (Some(z), None),
                     Op::SparseAttn { q, .. } => (Some(q), None),
                     Op::GdnRecur { state, .. } => (None, Some(state)),
-                    _ => (None, None),
+                    _ => continue,
                 };
-                if !prev.is_empty() && (buf.is_some() || state.is_some()) {
-                    for p in &prev {
-                        let clash = buf.is_some_and(|b| p.writes().contains(b))
-                            || state.is_some_and(|st| p.states().contains(st));
-                        assert!(
-                            !clash,
-                            "{}: {} before {}",
-                            v.kind.name(),
-                            p.kernel(),
-                            s.kernel
-                        );
-                    }
-                    *checked.entry(n.op.kernel()).or_default() += 1;
+                for p in prev {
+                    let clash = buf.is_some_and(|b| p.writes().contains(b))
+                        || state.is_some_and(|st| p.states().contains(st));
+                    assert!(
+                        !clash,
+                        "{}: {} before {}",
+                        v.kind.name(),
+                        p.kernel(),
+                        s.kernel
+                    );
                 }
-                prev = vec![&n.op];
+                *checked.entry(op.kernel()).or_default() += 1;
             }
         }
         let mut want = vec!["gated_norm", "gdn_recur", "sparse_attn"];
