@@ -367,10 +367,7 @@ DEV void sparse_attn_g(const FpSparseAttn& p) {
         // q comes from attn_prep, further back (the indexer's prep, score and select between). The selection is the
         // previous kernel's.
         block_store_row(qs, G * hd, 1, 0, [&](u32 i) { return ld_early_f32(q + i); });
-        if (!waited) {
-            pdl_start();
-            waited = true;
-        }
+        pdl_start_once(waited);
         for (u32 i = threadIdx.x; i < cnt; i += blockDim.x) {
             const u32 m = m0 + i;
             toks[i] = m < nsel * p.ratio ? sel[m / p.ratio] * p.ratio + m % p.ratio : nb * p.ratio + m - nsel * p.ratio;
@@ -478,7 +475,7 @@ DEV void sparse_attn_g(const FpSparseAttn& p) {
         }
         __syncthreads();
     }
-    if (!waited) pdl_start();
+    pdl_start_once(waited);
 }
 
 // Entry points by the bound of the head loops (runtime/src/cuda/launch/attn.rs: the smallest GM >= G), each

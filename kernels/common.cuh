@@ -26,6 +26,15 @@ DEV void pdl_start() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
+// pdl_start() the first time a kernel that loads early (ld_early_* below) reaches its wait: `waited` is the
+// kernel's flag, false at its start; every such kernel also calls this once at its end, for a block that had no
+// row to wait for.
+DEV void pdl_start_once(bool& waited) {
+    if (!waited) {
+        pdl_start();
+        waited = true;
+    }
+}
 
 // A load from L2, not L1 (ld.global.cg): values other blocks or earlier kernels wrote where this SM's L1 might
 // still hold an older line (router_topk_block after the fences of the last-block count, and the early loads below).
@@ -119,6 +128,8 @@ DEV void block_store_row(float* dst, u32 n, u32 copies, u64 stride, F f) {
 DEV const FpStream& stream_of(const FpCommon& c, u32 s) { return ((const FpStream*)c.streams)[s]; }
 // Stream s's slot and row count, or row count alone, read before the wait (ld_early_u32).
 DEV u32 stream_rows_early(const FpCommon& c, u32 s) { return ld_early_u32(&((const FpStream*)c.streams + s)->rows); }
+// real_row's test of row r, from the descriptor read before the wait.
+DEV bool real_row_early(const FpCommon& c, u32 r) { return r % c.window < stream_rows_early(c, r / c.window); }
 DEV void stream_early(const FpCommon& c, u32 s, u32& slot, u32& rows) {
     slot = ld_early_u32(&((const FpStream*)c.streams + s)->slot);
     rows = stream_rows_early(c, s);

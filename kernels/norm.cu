@@ -49,7 +49,7 @@ extern "C" __global__ void gated_norm(const FpGatedNorm p) {
     bool waited = false;
     for (u32 it = gw; it < R * p.heads; it += nwarps) {
         const u32 r = it / p.heads, h = it % p.heads;
-        if (r % c.window >= stream_rows_early(c, r / c.window)) continue;  // real_row, from the descriptor read early
+        if (!real_row_early(c, r)) continue;
         const u64 base = ((u64)r * p.heads + h) * p.dim;
         const float* x = fptr(p.x) + base;
         const float* z = fptr(p.z) + base;
@@ -63,10 +63,7 @@ extern "C" __global__ void gated_norm(const FpGatedNorm p) {
                 zv[u] = i < p.dim ? ld_early_f32(z + i) : 0.0f;
                 wv[u] = i < p.dim ? bfw(p.w, i) : 0.0f;
             }
-            if (!waited) {
-                pdl_start();
-                waited = true;
-            }
+            pdl_start_once(waited);
 #pragma unroll
             for (int u = 0; u < GN_PER; u++) {
                 const u32 i = lane + 32 * u;
@@ -86,10 +83,7 @@ extern "C" __global__ void gated_norm(const FpGatedNorm p) {
             }
             continue;
         }
-        if (!waited) {
-            pdl_start();
-            waited = true;
-        }
+        pdl_start_once(waited);
         float ss = 0.0f;
         for (u32 i = lane; i < p.dim; i += 32) ss += x[i] * x[i];
         ss = warp_sum(ss);
@@ -99,7 +93,7 @@ extern "C" __global__ void gated_norm(const FpGatedNorm p) {
             fptr(p.out)[base + i] = bfw(p.w, i) * (x[i] * inv) * g;
         }
     }
-    if (!waited) pdl_start();
+    pdl_start_once(waited);
 }
 
 // Hyper-connection read in three or four launches (one node), or with `FLASHPLAN_FUSE_SMALL` up to 4 rows in one or
@@ -163,7 +157,7 @@ extern "C" __global__ void hc_write_norm(const FpHcWrite p) {
     bool waited = false;
     for (u32 b = blockIdx.x; b < R * p.hc; b += gridDim.x) {
         const u32 r = b / p.hc, cc = b % p.hc;
-        if (r % c.window >= stream_rows_early(c, r / c.window)) continue;  // real_row, from the descriptor read early
+        if (!real_row_early(c, r)) continue;
         float* h = fptr(p.h) + (u64)r * W + (u64)cc * p.dim;
         const float* y = fptr(p.y) + (u64)r * p.dim;
         float hv[HCN_PER], yv[HCN_PER], nv[HCN_PER], xv[HCN_PER];
@@ -173,10 +167,7 @@ extern "C" __global__ void hc_write_norm(const FpHcWrite p) {
             hv[u] = i < p.dim ? ld_early_f32(h + i) : 0.0f;
         }
         hc_norm_weights(p.norm, cc, p.dim, nv);
-        if (!waited) {
-            pdl_start();
-            waited = true;
-        }
+        pdl_start_once(waited);
         const float g = fptr(p.inj)[(u64)r * p.hc + cc];
 #pragma unroll
         for (int u = 0; u < HCN_PER; u++) {
@@ -195,7 +186,7 @@ extern "C" __global__ void hc_write_norm(const FpHcWrite p) {
         hc_norm_group(xv, nv, p.dim, p.eps, sh, hn + (u64)r * W + (u64)cc * p.dim);
         __syncthreads();
     }
-    if (!waited) pdl_start();
+    pdl_start_once(waited);
 }
 
 extern "C" __global__ void hc_norm(const FpHcRead p) {
