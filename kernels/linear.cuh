@@ -66,6 +66,45 @@ DEV void tc_load_tiles(uint4 (&w0)[U], uint4 (&w1)[U], const uint4* wp) {
         w1[u] = ldg_stream16_l2pf(wp + u * TC_TILE_U4 + 32);
     }
 }
+
+// ---- Weight sources of linear_tc_rows: where a lane's A fragments of each step come from ----
+// A source is pointed at m-tile m, step s of lane `lane` (`seek(a, steps, lane, m, s)`: steps = ceil(k / 32)), loads a
+// batch of N steps from there (`load<N, ALL>(b, left)`: all N, or with ALL false only steps u < left, zeros for the
+// rest), gives step u's two A fragments (`frag(b, u, w0, w1)`: MMA 0's, k 8 q + 0 .. 3, and MMA 1's, k 8 q + 4 .. 7,
+// each register one BF16 pair in the order a0a1, a2a3, a4a5, a6a7) and moves on (`advance(steps)`). Every source
+// gives the MMAs BF16 values, so the arithmetic after the fragments is the same for all of them.
+
+// BF16 weights in MMA tiles (TC_TILE_U4): a step's fragments are its two 16-byte loads.
+struct TcBf16Tiles {
+    const uint4* wp;
+    template <int N>
+    struct Batch {
+        uint4 w0[N], w1[N];
+    };
+    DEV void seek(const FpLinear& a, u32 steps, u32 lane, u32 m, u32 s) {
+        wp = (const uint4*)a.w + ((u64)m * steps + s) * TC_TILE_U4 + lane;
+    }
+    template <int N, bool ALL>
+    DEV void load(Batch<N>& b, u32 left) const {
+        if constexpr (ALL) {
+            tc_load_tiles<N>(b.w0, b.w1, wp);
+        } else {
+#pragma unroll
+            for (int u = 0; u < N; u++) {
+                const bool in = (u32)u < left;
+                b.w0[u] = in ? ldg_stream16_l2pf(wp + u * TC_TILE_U4) : zero4();
+                b.w1[u] = in ? ldg_stream16_l2pf(wp + u * TC_TILE_U4 + 32) : zero4();
+            }
+        }
+    }
+    template <int N>
+    DEV void frag(const Batch<N>& b, int u, uint4& w0, uint4& w1) const {
+        w0 = b.w0[u];
+        w1 = b.w1[u];
+    }
+    DEV void advance(u32 s) { wp += s * TC_TILE_U4; }
+};
+
 // The three BF16 terms of 8 activations as MMA B fragments: xt[e] (e = 0 hi, 1 mid, 2 lo) holds the pairs
 // (0, 1), (2, 3) (MMA 0's b0, b1) and (4, 5), (6, 7) (MMA 1's).
 DEV void tc_split_x(const float (&x)[8], uint4 (&xt)[3]) {
@@ -148,12 +187,18 @@ struct LinearStore {
     }
 };
 
-// Steps s0 .. s1 of one m-tile against NT n-tiles of rows already split into their BF16 terms: xb[nt] is the lane's
-// three terms at step s0 (12 uint4 per step), in shared memory (SHARED: the lone row's `xs`) or in global memory
-// (linear_split_rows' scratch, read through __ldg). Batches of U steps: the batch's weight loads all in flight, then
-// its MMAs; a last batch of fewer than U steps also issues its loads at once (one memory latency, not one a step)
-// and runs only its own steps' MMAs, in the same order. On return xb is advanced past the full batches only (the
-// callers set it afresh for every call).
+// One step's MMAs against NT n-tiles: xb[nt] + 12 u is the step's three terms (SHARED: in shared memory, else read
+// through __ldg).
+template <int NT, bool SHARED>
+DEV void tc_step_tiles(float (&acc)[NT][3][4], const uint4& w0, const uint4& w1, const uint4* const (&xb)[NT], int u) {
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+        const uint4* xp = xb[nt] + u * 12;
+        const uint4 xt[3] = {SHARED ? xp[0] : __ldg(xp), SHARED ? xp[1] : __ldg(xp + 1),
+                             SHARED ? xp[2] : __ldg(xp + 2)};
+        tc_step_split(acc[nt], w0, w1, xt);
+    }
+}
 // The MMAs of the first n (<= N) steps of a batch: w0, w1 the steps' weight fragments, xb[nt] the rows' terms at the
 // batch's first step (12 uint4 per step; SHARED: in shared memory, else read through __ldg).
 template <int N, int NT, bool SHARED>
@@ -162,38 +207,45 @@ DEV void tc_batch_mmas(float (&acc)[NT][3][4], const uint4 (&w0)[N], const uint4
 #pragma unroll
     for (int u = 0; u < N; u++) {
         if ((u32)u >= n) break;
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++) {
-            const uint4* xp = xb[nt] + u * 12;
-            const uint4 xt[3] = {SHARED ? xp[0] : __ldg(xp), SHARED ? xp[1] : __ldg(xp + 1),
-                                 SHARED ? xp[2] : __ldg(xp + 2)};
-            tc_step_split(acc[nt], w0[u], w1[u], xt);
-        }
+        tc_step_tiles<NT, SHARED>(acc, w0[u], w1[u], xb, u);
     }
 }
-template <int U, int NT, bool SHARED>
-DEV void tc_steps_split(float (&acc)[NT][3][4], const uint4* wp, u32 s0, u32 s1, const uint4* (&xb)[NT]) {
+// The same from a weight source's batch: each step's fragments (`frag`) just before its MMAs.
+template <int N, int NT, bool SHARED, class W>
+DEV void tc_batch_mmas_w(float (&acc)[NT][3][4], const W& w, const typename W::template Batch<N>& b,
+                         const uint4* const (&xb)[NT], u32 n) {
+#pragma unroll
+    for (int u = 0; u < N; u++) {
+        if ((u32)u >= n) break;
+        uint4 w0, w1;
+        w.frag(b, u, w0, w1);
+        tc_step_tiles<NT, SHARED>(acc, w0, w1, xb, u);
+    }
+}
+// Steps s0 .. s1 of one m-tile (w: its weight source, at step s0) against NT n-tiles of rows already split into their
+// BF16 terms: xb[nt] is the lane's three terms at step s0 (12 uint4 per step), in shared memory (SHARED: the lone row's `xs`) or in global memory
+// (linear_split_rows' scratch, read through __ldg). Batches of U steps: the batch's weight loads all in flight, then
+// its MMAs; a last batch of fewer than U steps also issues its loads at once (one memory latency, not one a step)
+// and runs only its own steps' MMAs, in the same order. On return xb is advanced past the full batches only (the
+// callers set it afresh for every call).
+template <int U, int NT, bool SHARED, class W>
+DEV void tc_steps_split(float (&acc)[NT][3][4], W w, u32 s0, u32 s1, const uint4* (&xb)[NT]) {
     static_assert(U >= 2, "the last partial batch holds U - 1 steps");
     u32 st = s0;
     for (; st + U <= s1; st += U) {
-        uint4 w0[U], w1[U];
-        tc_load_tiles<U>(w0, w1, wp);
-        tc_batch_mmas<U, NT, SHARED>(acc, w0, w1, xb, U);
-        wp += U * TC_TILE_U4;
+        typename W::template Batch<U> b;
+        w.template load<U, true>(b, U);
+        tc_batch_mmas_w<U, NT, SHARED>(acc, w, b, xb, U);
+        w.advance(U);
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) xb[nt] += U * 12;
     }
     if (st < s1) {
         // The last batch of fewer than U steps: every load in flight at once, then its steps' MMAs.
         const u32 left = s1 - st;
-        uint4 w0[U - 1], w1[U - 1];
-#pragma unroll
-        for (int u = 0; u < U - 1; u++) {
-            const bool in = (u32)u < left;
-            w0[u] = in ? ldg_stream16_l2pf(wp + u * TC_TILE_U4) : zero4();
-            w1[u] = in ? ldg_stream16_l2pf(wp + u * TC_TILE_U4 + 32) : zero4();
-        }
-        tc_batch_mmas<U - 1, NT, SHARED>(acc, w0, w1, xb, left);
+        typename W::template Batch<U - 1> b;
+        w.template load<U - 1, false>(b, left);
+        tc_batch_mmas_w<U - 1, NT, SHARED>(acc, w, b, xb, left);
     }
 }
 
@@ -211,13 +263,13 @@ DEV void tc_acc_to_part(const float (&acc)[NT][3][4], float (&pw)[16][T], u32 g,
 }
 
 // Blocks block, block + nblocks, ... of a launch of nblocks blocks, each (8 / S) m-tiles of 16 output features;
-// T is the row tile (1, 2, 4, 8 or 16: one or two n-tiles), U the steps of loads in flight. The weights are in MMA
-// tiles (TC_TILE_U4), so a step's loads are two unconditional 16-byte loads per lane that are its A fragments.
-// xsplit: the rows' terms from linear_split_rows (read from two rows on); store: the epilogue (LinearStore, or
-// norm.cu's hyper-connection mix).
-template <int T, int U, class Store>
-DEV void linear_tc_rows(const FpLinear& a, u32 total, u32 block, u32 nblocks, const uint4* xsplit,
-                        const Store& store) {
+// T is the row tile (1, 2, 4, 8 or 16: one or two n-tiles), U the steps of loads in flight. w: the weight source
+// (TcBf16Tiles: the BF16 tiles, a step's loads two unconditional 16-byte loads per lane that are its A fragments;
+// mxfp8.cu's TcMxfp8Tiles: MXFP8 tiles decoded to BF16 fragments). xsplit: the rows' terms from
+// linear_split_rows (read from two rows on); store: the epilogue (LinearStore, or norm.cu's hyper-connection mix).
+template <int T, int U, class Store, class W>
+DEV void linear_tc_rows_w(const FpLinear& a, u32 total, u32 block, u32 nblocks, const uint4* xsplit,
+                          const Store& store, W w) {
     constexpr int NT = (T + 7) / 8;
     const FpCommon& c = a.c;
     __shared__ float part[SPLIT_WARPS][16][T];
@@ -250,7 +302,7 @@ DEV void linear_tc_rows(const FpLinear& a, u32 total, u32 block, u32 nblocks, co
         const u32 n0 = nb0 + grp * 16;
         // The m-tile's weights from step s0 (an m-tile past n reads tile 0 and is never written).
         const u32 m = n0 / 16 < tiles ? n0 / 16 : 0;
-        const uint4* wt = (const uint4*)a.w + ((u64)m * steps + s0) * TC_TILE_U4 + lane;
+        w.seek(a, steps, lane, m, s0);
         for (u32 i0 = 0; i0 < total; i0 += T) {
             float acc[NT][3][4];
             bool okc[NT];
@@ -269,7 +321,7 @@ DEV void linear_tc_rows(const FpLinear& a, u32 total, u32 block, u32 nblocks, co
                 // Column g of the MMA is lane group g's activations: every group reads the row's (shared memory
                 // broadcast), and only column 0 is kept; a column's sums never mix with another column's.
                 const uint4* xb[NT] = {xs + (s0 * 4 + q) * 3};
-                tc_steps_split<U, NT, true>(acc, wt, s0, s1, xb);
+                tc_steps_split<U, NT, true>(acc, w, s0, s1, xb);
             } else if (T >= 2) {
                 // The rows' terms as linear_split_rows left them (xsplit): n-tile nt's lane (g, q) takes row
                 // i0 + 8 nt + g (a row past the launch's rows reads row 0; columns from T on are never written).
@@ -279,22 +331,19 @@ DEV void linear_tc_rows(const FpLinear& a, u32 total, u32 block, u32 nblocks, co
                     const u32 r = i0 + nt * 8 + g;
                     xb[nt] = xsplit + ((u64)(r < total ? r : 0) * steps + s0) * 12 + q * 3;
                 }
-                tc_steps_split<U, NT, false>(acc, wt, s0, s1, xb);
+                tc_steps_split<U, NT, false>(acc, w, s0, s1, xb);
             } else {
                 // One row past TC_LONE_STEPS steps, or one of several rows in a tile of one:
                 // batches of U steps, the batch's weight loads all in flight, then its MMAs.
-                const uint4* wp = wt;
+                W ws = w;
                 for (u32 st = s0; st < s1; st += U) {
-                    uint4 w0[U], w1[U];
-#pragma unroll
-                    for (int u = 0; u < U; u++) {
-                        const bool in = st + u < s1;
-                        w0[u] = in ? ldg_stream16_l2pf(wp + u * TC_TILE_U4) : zero4();
-                        w1[u] = in ? ldg_stream16_l2pf(wp + u * TC_TILE_U4 + 32) : zero4();
-                    }
+                    typename W::template Batch<U> b;
+                    ws.template load<U, false>(b, s1 - st);
 #pragma unroll
                     for (int u = 0; u < U; u++) {
                         if (st + u >= s1) break;
+                        uint4 w0, w1;
+                        ws.frag(b, u, w0, w1);
                         const u32 kk = (st + u) * 32 + q * 8;
 #pragma unroll
                         for (int nt = 0; nt < NT; nt++) {
@@ -305,10 +354,10 @@ DEV void linear_tc_rows(const FpLinear& a, u32 total, u32 block, u32 nblocks, co
 #pragma unroll
                                 for (int e = 0; e < 8; e++) x[e] = 0.0f;
                             }
-                            tc_step(acc[nt], w0[u], w1[u], x);
+                            tc_step(acc[nt], w0, w1, x);
                         }
                     }
-                    wp += U * TC_TILE_U4;
+                    ws.advance(U);
                 }
             }
             tc_acc_to_part<T, NT>(acc, part[warp], g, q);
@@ -317,4 +366,10 @@ DEV void linear_tc_rows(const FpLinear& a, u32 total, u32 block, u32 nblocks, co
             __syncthreads();
         }
     }
+}
+// linear_tc_rows_w on the BF16 tiles at a.w.
+template <int T, int U, class Store>
+DEV void linear_tc_rows(const FpLinear& a, u32 total, u32 block, u32 nblocks, const uint4* xsplit,
+                        const Store& store) {
+    linear_tc_rows_w<T, U>(a, total, block, nblocks, xsplit, store, TcBf16Tiles{});
 }

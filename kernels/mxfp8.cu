@@ -1,306 +1,113 @@
-// linear_mxfp8: out[i, n] (+)= sum_k x[i, k] * w[n, k] with MXFP8 weights (issue 8): E4M3 codes [n, k] (one byte
-// each) and one E8M0 scale byte per 32 consecutive inputs of each output row ([n, ceil(k / 32)]); a weight's value
-// is e4m3(code) * 2^(s - 127). Activations and results f32.
+// linear_mxfp8: out[i, n] (+)= sum_k x[i, k] * w[n, k] with MXFP8 weights (issue 8): an E4M3 code per weight and
+// one E8M0 scale byte s per 32 consecutive inputs of each output row, held in MMA tiles (runtime/src/cuda/weights.rs
+// `tile_mxfp8`); a weight's value is e4m3(code) * 2^(s - 127). Activations and results f32.
 //
-// Its own body (not linear.cuh's): the decode is integer bit arithmetic and the scale is applied once per 16 codes,
-// so the result is not bit-identical to `linear` on the same values (it matches the CPU twin within the GPU-check
-// tolerance, like every kernel). Row invariant: a row's arithmetic depends only on the weight's shape [n, k] (the
-// launch's split S comes from it: runtime/src/cuda/launch/linear.rs `mx_split`), never on the other rows or their count.
+// The BF16 linear's body (linear.cuh `linear_tc_rows_w`) with another weight source (`TcMxfp8Tiles` below): each
+// step's A fragments are decoded from the codes and scales to the weights' BF16 values, exactly, just before the
+// step's MMAs. An MXFP8 value has 4 significant bits and, packed from finite f32 values (runtime/src/mxfp8.rs
+// `pack_exact`), an exponent BF16 holds, so its BF16 value is the value itself. Everything after the fragments (the
+// activation's three BF16 terms, the MMAs, the slices of K from `tc_split`, the epilogue, the launch shapes) is the
+// BF16 linear's, so the results are bit-identical to `linear` on the same values (the GPU checks compare them bit for
+// bit) and row invariant as `linear` is.
 //
-// Launch (linear's parameters, its own shape): block of 8 warps = 8 / S groups of MX_NPW = 4 output
-// features x S slices of K; grid ceil(n / (4 * 8 / S)). Slice s of K is [s * per, (s + 1) * per) with
-// per = ceil(K / 32 / S) * 32 (cut at K): slices start on scale groups.
-//
-// Per (output n, row i), by one warp over its slice: lane l takes the chunks of 16 codes at l * 16 + 512 j
-// (j = 0, 1, ... in order; a chunk lies in one scale group). For each chunk the lane computes the chunk's partial
-//   p = d_0 x_0, then p = fma(d_e, x_e, p) for e = 1 .. 15 (ascending k),
-// with d_e = e4m3(code_e) * 2^-120 decoded exactly by integer bit arithmetic (mx_top), and adds it to its sum:
-//   acc = fma(p, 2^(s - 7), acc)            for s <= 134,
-//   acc = fma(p * 2^120, 2^(s - 127), acc)   for s > 134 (2^(s - 7) is above the f32 range there);
-// both factors are exact powers of two, so the group's weights enter as their exact values e4m3 * 2^(s - 127).
-// Then the warp tree (warp_sum) and the S slices added in slice order. Chunks in flight per lane and row (U), the
-// row tile T and the loop order of the tile's entry point never change that arithmetic.
-//
-// Range (d_e * x_e in units of 2^-120): |d_e| <= 448 * 2^-120, so the partial products are tiny and often f32
-// subnormals (a product below 2^-126 in magnitude: e.g. any code below 2^-6 times |x| < 1). Subnormals are kept:
-// the fma/mul are inline PTX `fma.rn.f32` / `mul.rn.f32` without `.ftz`, and the modules are compiled without
-// -ftz / fast math (compiler/src/nvrtc.rs). A result in the subnormal range is rounded to a multiple of 2^-149: an
-// absolute error of at most 2^-150 per fma in units of 2^-120, i.e. 2^(s - 157) in the output. A group's largest
-// weight is at least 224 * 2^(s - 127) (the re-coder's smallest scale; s = 0 only for groups below 448 * 2^-127), so
-// that is at most 2^-37.8 of the group's largest weight, or 2^-37.8 / |x| of its largest product with x: below f32's
-// own rounding (2^-24) while |x| > 2^-14 (6e-5), and at the 1e-3 tolerance only if every activation were below
-// about 2^-28 (4e-9). The activations of these linears are of order 1 (normed states, attention outputs);
-// runtime/src/mxfp8.rs `kernel_mirror` checks the bound with x down to 1e-9. The normal f32 range is not a limit:
-// |p| <= 16 * 448 * 2^-120 * max|x| and p * 2^120 stays finite for |x| < 2^114. Subnormal codes (exponent field 0)
-// decode to f32 subnormals exactly (no special case). NaN codes (0x7F, 0xFF) and the NaN scale 0xFF never occur in
-// packed weights (runtime/src/mxfp8.rs `pack_exact`: scales <= 247); they decode to finite or infinite garbage.
-#include "common.cuh"
+// Decode of a pair of codes (`mx_pair`): prmt spreads the two bytes into the two 16-bit halves with each byte's
+// sign copied into the byte above it; shifted left by 4 and masked with 0x87f0 per half, a half is the BF16 with the
+// code's sign in bit 15 and its 4 exponent and 3 mantissa bits in bits 7 .. 13: e4m3(code) * 2^-120 (a normal code's
+// exponent field e gives 2^(e - 127) (1 + m / 8); a subnormal code's m * 2^-9 gives the BF16 subnormal
+// (16 m / 128) * 2^-126 = m * 2^-129). One BF16x2 multiply (`mul.rn.bf16x2`, subnormals kept) by 2^(s - 7) then
+// gives e4m3(code) * 2^(s - 127): a product by a power of two, exact wherever the value is a BF16 value. The factor
+// needs s <= 134 (2^127 is BF16's largest power of two): the runtime keeps a weight with a larger scale
+// (weights of 2^15 and more) as BF16 (runtime/src/mxfp8.rs `KERNEL_MAX_SCALE`). runtime/src/mxfp8.rs `kernel_mirror`
+// checks the decode on every code in both halves and the scaling at every scale up to 134.
+#include "linear.cuh"
 
 typedef unsigned char u8_t;
 
-// Output features per warp (the launch's grid assumes it: runtime/src/cuda/launch/linear.rs `MX_NPW`).
-#define MX_NPW 4
-
-// One byte through the read-only path (scales: the two lanes of a group read the same byte).
-DEV u32 ldg_u8(const void* p) {
+// Two bytes (2-byte aligned) through the read-only path (a lane's two scales: the four lanes of a row group read the
+// same pair).
+DEV u32 ldg_u16(const void* p) {
     u32 r;
-    asm("ld.global.nc.u8 %0, [%1];" : "=r"(r) : "l"(p));
-    return r & 0xffu;
+    asm("ld.global.nc.u16 %0, [%1];" : "=r"(r) : "l"(p));
+    return r & 0xffffu;
 }
-
-// f32 arithmetic that keeps subnormal operands and results whatever the compiler flags (no .ftz), and that the
-// compiler never contracts or reorders.
-DEV float mx_mul(float a, float b) {
-    float r;
-    asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+// BF16x2 a * b, round to nearest even, subnormal operands and results kept (no .ftz for BF16).
+DEV u32 mul_bf16x2(u32 a, u32 b) {
+    u32 r;
+    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
     return r;
 }
-DEV float mx_fma(float a, float b, float c) {
-    float r;
-    asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(c));
-    return r;
+// The codes in bytes j and j + 1 of w as BF16x2 (byte j in the low half): e4m3(code) * 2^-120 each, exactly (the
+// file's top comment). sel: 0x9180 for bytes 0, 1; 0xb3a2 for bytes 2, 3 (prmt's nibble bit 3 copies the byte's
+// sign bit).
+DEV u32 mx_pair(u32 w, u32 sel) {
+    u32 v;
+    asm("prmt.b32 %0, %1, 0, %2;" : "=r"(v) : "r"(w), "r"(sel));
+    return (v << 4) & 0x87f087f0u;
+}
+// The BF16x2 factor 2^(s - 7) of scale byte s (exponent field s + 120 in both halves), for s <= 134.
+DEV u32 mx_factor(u32 s) { return (s + 120u) * 0x00800080u; }
+// Four codes of a row (bytes of w, ascending k) scaled by f: lo = the pair of bytes 0, 1, hi = bytes 2, 3.
+DEV void mx_quad(u32 w, u32 f, u32& lo, u32& hi) {
+    lo = mul_bf16x2(mx_pair(w, 0x9180u), f);
+    hi = mul_bf16x2(mx_pair(w, 0xb3a2u), f);
 }
 
-// e4m3(code) * 2^-120 for the E4M3 code in the top byte of w (bits 24..31), exactly: the arithmetic shift moves the
-// 7 exponent/mantissa bits to f32 bits 20..26 (f32 exponent field = the code's 4-bit exponent field, mantissa = its
-// 3 bits on top) and copies the sign into bits 27..31; the mask keeps bit 31 (sign) and bits 20..26 (zeros in
-// 27..30 and 0..19). Normal codes (field e >= 1): 2^(e - 127) * (1 + m/8) = e4m3 * 2^-120; subnormal codes (e = 0):
-// the f32 subnormal m * 2^20 * 2^-149 = (m * 2^-9) * 2^-120; zero codes: +-0. runtime/src/mxfp8.rs mirrors it
-// (`kernel_decode`) and checks all 256 codes against e4m3_decode.
-DEV float mx_top(u32 w) { return __uint_as_float((u32)((int)w >> 4) & 0x87f00000u); }
+// Bytes of one MXFP8 tile (runtime/src/cuda/weights.rs `tile_mxfp8`, `MX_TILE_BYTES`): 16 features x 32 codes, then
+// their 16 scale bytes.
+#define MX_TILE 528
 
-// The 16 codes of a 16-byte load (code k + e in byte e, little-endian), in order: d[e] = e4m3(code) * 2^-120.
-DEV void mx_decode16(const uint4 c, float* d) {
-    const u32 w[4] = {c.x, c.y, c.z, c.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        d[4 * i] = mx_top(w[i] << 24);
-        d[4 * i + 1] = mx_top(w[i] << 16);
-        d[4 * i + 2] = mx_top(w[i] << 8);
-        d[4 * i + 3] = mx_top(w[i]);
+// The weight source of linear_tc_rows_w for MXFP8 weights in MMA tiles (runtime/src/cuda/weights.rs `tile_mxfp8`):
+// tile (m, step) at byte (m * steps + step) * MX_TILE; lane l's 16 bytes at 16 l are the 8 codes of feature rows g
+// and g + 8 at k = 32 step + 8 q .. + 7 (one 16-byte load: a warp reads each step's 512 code bytes as one run), and
+// the rows' scale bytes of the step are at 512 + 2 g and 512 + 2 g + 1 (a step of 32 codes is one scale group). Tiles
+// are zero-padded past n and k (zero codes), as the BF16 tiles are.
+struct TcMxfp8Tiles {
+    const u8_t* tp;  // the current step's tile
+    u32 g, lane;
+    template <int N>
+    struct Batch {
+        uint4 c[N];
+        u32 s[N];  // the scale bytes of rows g (bits 0 .. 7) and g + 8 (bits 8 .. 15)
+    };
+    DEV void seek(const FpLinear& a, u32 steps, u32 lane_, u32 m, u32 s) {
+        lane = lane_;
+        g = lane_ >> 2;
+        tp = (const u8_t*)a.w + ((u64)m * steps + s) * MX_TILE;
     }
-}
-
-// A chunk's partial in units of 2^-120: d[0] x[0], then fused multiply-adds in ascending k.
-DEV float mx_dot16(const float* d, const float* x) {
-    float s = mx_mul(d[0], x[0]);
+    template <int N, bool ALL>
+    DEV void load(Batch<N>& b, u32 left) const {
 #pragma unroll
-    for (int e = 1; e < 16; e++) s = mx_fma(d[e], x[e], s);
-    return s;
-}
-
-// Sixteen f32 activations from a 16-byte aligned address, in order.
-DEV void mx_load_x16(const float* p, float* x) {
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const float4 v = ((const float4*)p)[i];
-        x[4 * i] = v.x;
-        x[4 * i + 1] = v.y;
-        x[4 * i + 2] = v.z;
-        x[4 * i + 3] = v.w;
+        for (int u = 0; u < N; u++) {
+            const bool in = ALL || (u32)u < left;
+            const u8_t* t = tp + u * MX_TILE;
+            b.c[u] = in ? ldg_stream16_l2pf(t + lane * 16) : zero4();
+            b.s[u] = in ? ldg_u16(t + 512 + 2 * g) : 0u;
+        }
     }
-}
-
-// A scale byte s as applied to a partial in units of 2^-120: f = 2^(s - 7) (f32 exponent field s + 120 <= 254) for
-// s <= 134; above, big and f = 2^(s - 127) (the partial first times 2^120, exact). s = 0 gives 2^-7.
-struct MxScale {
-    float f;
-    bool big;
+    // The BF16 tile fragments (linear.cuh TC_TILE_U4's order): w0 = (g, k 0 1), (g + 8, k 0 1), (g, k 2 3),
+    // (g + 8, k 2 3) of the lane's 8 k; w1 the same for k 4 .. 7.
+    template <int N>
+    DEV void frag(const Batch<N>& b, int u, uint4& w0, uint4& w1) const {
+        const u32 fg = mx_factor(b.s[u] & 0xffu), fh = mx_factor(b.s[u] >> 8);
+        mx_quad(b.c[u].x, fg, w0.x, w0.z);
+        mx_quad(b.c[u].z, fh, w0.y, w0.w);
+        mx_quad(b.c[u].y, fg, w1.x, w1.z);
+        mx_quad(b.c[u].w, fh, w1.y, w1.w);
+    }
+    DEV void advance(u32 s) { tp += s * MX_TILE; }
 };
-DEV MxScale mx_scale(u32 s) {
-    MxScale r;
-    r.big = s > 134u;
-    r.f = __uint_as_float((r.big ? s : s + 120u) << 23);
-    return r;
-}
-// acc + p * 2^(s - 7), one rounding (the product of p and a power of two is exact in range).
-DEV float mx_add_group(float p, const MxScale& sc, float acc) {
-    if (sc.big) p = mx_mul(p, __uint_as_float(0x7b800000u));  // 2^120
-    return mx_fma(p, sc.f, acc);
-}
 
-// Slice sl of S over K (codes): [ka, kb), per = ceil(K / 32 / S) * 32, cut at K.
-DEV void mx_slice_bounds(u32 K, u32 S, u32 sl, u32& ka, u32& kb) {
-    const u32 per = ((K + 31) / 32 + S - 1) / S * 32;
-    ka = sl * per < K ? sl * per : K;
-    kb = ka + per < K ? ka + per : K;
+// linear.cu's linear_entry with the MXFP8 source: the same rows, slices, steps in flight and epilogue.
+template <int T, int U = 4>
+DEV void linear_mxfp8_entry(const FpLinear& p) {
+    linear_tc_rows_w<T, U>(p, linear_total(p.c, p.sub, p.gathered), blockIdx.x, gridDim.x, (const uint4*)p.c.scratch,
+                           LinearStore{}, TcMxfp8Tiles{});
 }
-
-// res[m][t] = dot(w[m], x[t]) over K codes for NPW weight rows (codes[m] and scales[m] at the slice start, which
-// lies on a scale group; rows past the matrix point at row 0 and their results are dropped) and T activation rows
-// (ok[t]; x row t at X + t * xs), by one warp, in the order of the file's top comment. Vector path (vec: K % 16 ==
-// 0, the weight rows and x 16-byte aligned): U chunks of every row in flight per lane. Scalar path (any K, the last
-// chunk may be shorter): byte by byte, the same arithmetic.
-template <int T, int NPW, int U>
-DEV void mx_warp_dots(const u8_t* const* codes, const u8_t* const* scales, const float* X, u64 xs, const bool* ok,
-                      u32 K, bool vec, u32 lane, float (&res)[NPW][T]) {
-    float acc[NPW][T];
-#pragma unroll
-    for (int m = 0; m < NPW; m++)
-#pragma unroll
-        for (int t = 0; t < T; t++) acc[m][t] = 0.0f;
-    if (vec) {
-        const u8_t* cp[NPW];
-        const u8_t* sp[NPW];
-#pragma unroll
-        for (int m = 0; m < NPW; m++) {
-            cp[m] = codes[m] + lane * 16;
-            sp[m] = scales[m] + lane / 2;
-        }
-        const float* xp = X + lane * 16;
-        for (u32 kb = lane * 16; kb < K; kb += 512 * U) {
-            uint4 cv[U][NPW];
-            u32 sv[U][NPW];
-#pragma unroll
-            for (int u = 0; u < U; u++) {
-                const bool in = kb + u * 512 < K;
-#pragma unroll
-                for (int m = 0; m < NPW; m++) {
-                    cv[u][m] = in ? ldg_stream16(cp[m] + u * 512) : zero4();
-                    sv[u][m] = in ? ldg_u8(sp[m] + u * 16) : 127u;
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < U; u++) {
-                if (kb + u * 512 >= K) break;
-                MxScale sc[NPW];
-#pragma unroll
-                for (int m = 0; m < NPW; m++) sc[m] = mx_scale(sv[u][m]);
-                if constexpr (T <= 2) {
-                    // Few rows: hold the tile's x chunk, decode one weight row at a time.
-                    float x[T][16];
-#pragma unroll
-                    for (int t = 0; t < T; t++)
-                        if (ok[t]) mx_load_x16(xp + u * 512 + (u64)t * xs, x[t]);
-#pragma unroll
-                    for (int m = 0; m < NPW; m++) {
-                        float d[16];
-                        mx_decode16(cv[u][m], d);
-#pragma unroll
-                        for (int t = 0; t < T; t++)
-                            if (ok[t]) acc[m][t] = mx_add_group(mx_dot16(d, x[t]), sc[m], acc[m][t]);
-                    }
-                } else {
-                    // More rows: hold the decoded weights, stream x row by row.
-                    float d[NPW][16];
-#pragma unroll
-                    for (int m = 0; m < NPW; m++) mx_decode16(cv[u][m], d[m]);
-#pragma unroll
-                    for (int t = 0; t < T; t++) {
-                        if (!ok[t]) continue;
-                        float x[16];
-                        mx_load_x16(xp + u * 512 + (u64)t * xs, x);
-#pragma unroll
-                        for (int m = 0; m < NPW; m++)
-                            acc[m][t] = mx_add_group(mx_dot16(d[m], x), sc[m], acc[m][t]);
-                    }
-                }
-            }
-#pragma unroll
-            for (int m = 0; m < NPW; m++) {
-                cp[m] += 512 * U;
-                sp[m] += 16 * U;
-            }
-            xp += 512 * U;
-        }
-    } else {
-        for (u32 kk = lane * 16; kk < K; kk += 512) {
-            const u32 len = K - kk < 16 ? K - kk : 16;
-#pragma unroll
-            for (int m = 0; m < NPW; m++) {
-                const MxScale sc = mx_scale(scales[m][kk / 32]);
-#pragma unroll
-                for (int t = 0; t < T; t++) {
-                    if (!ok[t]) continue;
-                    const float* x = X + (u64)t * xs + kk;
-                    float p = mx_mul(mx_top((u32)codes[m][kk] << 24), x[0]);
-                    for (u32 e = 1; e < len; e++) p = mx_fma(mx_top((u32)codes[m][kk + e] << 24), x[e], p);
-                    acc[m][t] = mx_add_group(p, sc, acc[m][t]);
-                }
-            }
-        }
-    }
-#pragma unroll
-    for (int m = 0; m < NPW; m++)
-#pragma unroll
-        for (int t = 0; t < T; t++) res[m][t] = warp_sum(acc[m][t]);
-}
-
-// Rows of a launch of this shape: every sub-row of every row (or of every stream's row when gathered).
-DEV u32 mx_total(const FpCommon& c, u32 sub, u32 gathered) {
-    return (gathered ? c.nstreams : c.nstreams * c.window) * sub;
-}
-
-// One entry point per row tile T (linear_mxfp8_t1 .. _t16, picked by the launch from the row count, as linear's):
-// each gets the registers its tile needs. Blocks b, b + gridDim.x, ... take 8 / S * MX_NPW output features each.
-template <int T, int U>
-DEV void linear_mxfp8_body(const FpLinearMxfp8& p) {
-    constexpr int NPW = MX_NPW;
-    __shared__ float part[SPLIT_WARPS][NPW][T];
-    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const u32 S = p.split == 0 ? 1 : p.split;
-    const u32 G = SPLIT_WARPS / S, g = warp / S;
-    const u32 per_block = G * NPW;
-    const u32 K = p.k, gpr = (K + 31) / 32;
-    u32 ka, kb;
-    mx_slice_bounds(K, S, warp % S, ka, kb);
-    const bool vec = (K & 15) == 0 && ((p.codes | p.x) & 15) == 0;
-    const u32 total = mx_total(p.c, p.sub, p.gathered);
-    const u8_t* C = (const u8_t*)p.codes;
-    const u8_t* SC = (const u8_t*)p.scales;
-    const float* X = fptr(p.x);
-    float* O = fptr(p.out);
-    for (u32 nb0 = blockIdx.x * per_block; nb0 < p.n; nb0 += gridDim.x * per_block) {
-        const u32 n0 = nb0 + g * NPW;
-        const u32 nm = n0 >= p.n ? 0 : (p.n - n0 < NPW ? p.n - n0 : NPW);
-        const u8_t* codes[NPW];
-        const u8_t* scales[NPW];
-#pragma unroll
-        for (int m = 0; m < NPW; m++) {
-            const u64 row = (u32)m < nm ? n0 + m : 0;
-            codes[m] = C + row * K + ka;
-            scales[m] = SC + row * gpr + ka / 32;
-        }
-        for (u32 i0 = 0; i0 < total; i0 += T) {
-            bool ok[T];
-#pragma unroll
-            for (int t = 0; t < T; t++) ok[t] = i0 + t < total && row_ok(p.c, (i0 + t) / p.sub, p.gathered);
-            float res[NPW][T];
-            if (nm > 0)
-                mx_warp_dots<T, NPW, U>(codes, scales, X + (u64)i0 * K + ka, K, ok, kb - ka, vec, lane, res);
-            if (lane == 0 && nm > 0)
-#pragma unroll
-                for (int m = 0; m < NPW; m++)
-#pragma unroll
-                    for (int t = 0; t < T; t++) part[warp][m][t] = res[m][t];
-            __syncthreads();
-            for (u32 q = threadIdx.x; q < G * NPW * T; q += blockDim.x) {
-                const u32 gg = q / (NPW * T), m = (q / T) % NPW, t = q % T;
-                const u32 n = nb0 + gg * NPW + m;
-                if (n >= p.n || i0 + t >= total || !row_ok(p.c, (i0 + t) / p.sub, p.gathered)) continue;
-                // The group's S slice partials in slice order.
-                float v = 0.0f;
-                for (u32 s = 0; s < S; s++) v += part[gg * S + s][m][t];
-                float* o = O + (u64)(i0 + t) * p.n + n;
-                *o = p.accumulate ? *o + v : v;
-            }
-            __syncthreads();
-        }
-    }
-}
-// t1 and t2 (the drafter's steps) are held to 128 registers: two blocks per SM, 16 warps, so one block's loads are
-// in flight while the other computes. t1 keeps 3 chunks of each row in flight per lane (H200, the MXFP8 lm_head
-// copy and drafter linears of an mxfp8-head step: 474 -> 462 us; 4 chunks spill at 128 registers and were slower,
-// 482 us, or 566 us without the bound). Larger tiles are more compute-bound and keep the registers they need (t4 at
-// 128 would spill).
-extern "C" __global__ void __launch_bounds__(256, 2) linear_mxfp8_t1(const FpLinearMxfp8 p) {
-    pdl_start();
-    linear_mxfp8_body<1, 3>(p);
-}
-extern "C" __global__ void __launch_bounds__(256, 2) linear_mxfp8_t2(const FpLinearMxfp8 p) {
-    pdl_start();
-    linear_mxfp8_body<2, 2>(p);
-}
-extern "C" __global__ void linear_mxfp8_t4(const FpLinearMxfp8 p) { pdl_start(); linear_mxfp8_body<4, 2>(p); }
-extern "C" __global__ void linear_mxfp8_t8(const FpLinearMxfp8 p) { pdl_start(); linear_mxfp8_body<8, 1>(p); }
-extern "C" __global__ void linear_mxfp8_t16(const FpLinearMxfp8 p) { pdl_start(); linear_mxfp8_body<16, 1>(p); }
+// One entry point per row tile, with linear.cu's launch bounds and steps in flight; t1_deep where linear_t1_deep
+// would run (runtime/src/cuda/launch/linear.rs `linear_entry`).
+extern "C" __global__ void __launch_bounds__(256, 3) linear_mxfp8_t1(const FpLinear p) { pdl_start(); linear_mxfp8_entry<1>(p); }
+extern "C" __global__ void __launch_bounds__(256, 2) linear_mxfp8_t1_deep(const FpLinear p) { pdl_start(); linear_mxfp8_entry<1, 8>(p); }
+extern "C" __global__ void __launch_bounds__(256, 3) linear_mxfp8_t2(const FpLinear p) { pdl_start(); linear_mxfp8_entry<2>(p); }
+extern "C" __global__ void linear_mxfp8_t4(const FpLinear p) { pdl_start(); linear_mxfp8_entry<4>(p); }
+extern "C" __global__ void linear_mxfp8_t8(const FpLinear p) { pdl_start(); linear_mxfp8_entry<8>(p); }
+extern "C" __global__ void linear_mxfp8_t16(const FpLinear p) { pdl_start(); linear_mxfp8_entry<16>(p); }

@@ -84,7 +84,8 @@ typedef struct FpRmsNorm {
 } FpRmsNorm;
 
 /* gathered != 0: x holds one row per stream (rows with streams[s].rows > 0). split: slices of K per output group
- * (1, 2, 4 or 8; 0 means 1), see `slice_dots` in common.cuh. */
+ * (1, 2, 4 or 8; 0 means 1), see `slice_dots` in common.cuh. linear_mxfp8 (mxfp8.cu) takes the same parameters, w
+ * then being the weight's MXFP8 tiles (runtime/src/cuda/weights.rs `tile_mxfp8`). */
 typedef struct FpLinear {
     FpCommon c;
     u64 x;
@@ -97,22 +98,6 @@ typedef struct FpLinear {
     u32 gathered;
     u32 split;
 } FpLinear;
-
-/* linear_mxfp8 (mxfp8.cu): FpLinear with MXFP8 weights, codes u8 [n, k] (E4M3) and scales u8 [n, ceil(k / 32)]
- * (E8M0, one per 32 consecutive inputs of a row). */
-typedef struct FpLinearMxfp8 {
-    FpCommon c;
-    u64 x;
-    u64 codes;
-    u64 scales;
-    u64 out;
-    u32 k;
-    u32 n;
-    u32 sub;
-    u32 accumulate;
-    u32 gathered;
-    u32 split;
-} FpLinearMxfp8;
 
 /* linear_multi (linear.cu): up to FP_MAX_LINEARS `linear`s of one launch that read the same x (same k, sub,
  * gathered and split), matrix m with weight w[m], output out[m], n[m] features and accumulate[m]. Its blocks come

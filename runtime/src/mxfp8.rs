@@ -289,6 +289,11 @@ pub fn pack_exact(values: &[f32], rows: usize, cols: usize) -> Result<Mxfp8, Pac
     Ok(m)
 }
 
+/// The largest scale byte `linear_mxfp8` takes (kernels/mxfp8.cu `mx_factor`: it scales a group by the BF16 2^(s - 7),
+/// and 2^127 is BF16's largest power of two). A weight with a larger scale (values of 2^15 and more) stays BF16 on
+/// the device, which holds MXFP8 values exactly and gives the same results.
+pub const KERNEL_MAX_SCALE: u8 = 134;
+
 /// Which weights a device backend keeps as MXFP8 codes and scales: the 2-D [`StorageForm::Mxfp8`] entries
 /// (`#mxfp8` re-coded drafter linears, the `lm_head.weight#mxfp8` drafting copy, stored MXFP8 linears) that only
 /// [`flashplan_plan::Op::Linear`] nodes read, each with a shape `[n, k]` matching every such node
@@ -682,181 +687,93 @@ mod tests {
     }
 }
 
-/// Mirrors of `linear_mxfp8`'s arithmetic (kernels/mxfp8.cu): its integer E4M3 decode and group scaling checked on
-/// every code and scale byte, and its chunk order checked against an exact dot product (the range argument of the
-/// kernel's top comment, with activations small enough to make the partial products f32 subnormals).
+/// Mirrors of `linear_mxfp8`'s decode (kernels/mxfp8.cu `mx_pair`, `mx_factor`, `mx_quad`): every code in both halves
+/// of a pair, then the group scaling at every scale byte, must give the BF16 bits of the weight's value, which is what
+/// the BF16 `linear` multiplies on the same values (the GPU checks then compare the two kernels bit for bit).
 #[cfg(test)]
 mod kernel_mirror {
     use super::*;
+    use half::bf16;
 
-    /// `mx_top`: the f32 whose bits are the code in the top byte of `w` moved to sign bit 31 and bits 20..26, i.e.
-    /// `e4m3(code) * 2^-120`.
-    fn mx_top(w: u32) -> f32 {
-        f32::from_bits((((w as i32) >> 4) as u32) & 0x87f0_0000)
+    /// `mx_pair`: prmt of bytes j, j + 1 with their signs copied into the bytes above, shifted left by 4, masked.
+    fn mx_pair(w: u32, j: u32) -> [bf16; 2] {
+        let byte = |i: u32| (w >> (8 * i)) & 0xff;
+        let sign = |b: u32| if b & 0x80 != 0 { 0xff } else { 0 };
+        let (b0, b1) = (byte(j), byte(j + 1));
+        let v = b0 | sign(b0) << 8 | b1 << 16 | sign(b1) << 24;
+        let r = (v << 4) & 0x87f0_87f0;
+        [bf16::from_bits(r as u16), bf16::from_bits((r >> 16) as u16)]
     }
 
-    /// `mx_decode16`'s value for the code in byte `j` of `w` (`mx_top(w << (24 - 8j))`).
-    fn mx_byte(w: u32, j: u32) -> f32 {
-        mx_top(w << (24 - 8 * j))
+    /// `mul.rn.bf16x2` on one half: the exact product (of at most 8 significant bits each: exact in f32, also as an
+    /// f32 subnormal from 2^-149 up) rounded to the nearest BF16, ties to even, subnormals kept.
+    fn mul(a: bf16, b: bf16) -> bf16 {
+        bf16::from_f32(a.to_f32() * b.to_f32())
     }
 
-    /// `mx_scale`: (factor, big).
-    fn mx_scale(s: u32) -> (f32, bool) {
-        let big = s > 134;
-        (f32::from_bits((if big { s } else { s + 120 }) << 23), big)
+    /// `mx_factor` then `mx_quad` on one decoded half: by 2^(s - 7) (exponent field s + 120).
+    fn scaled(d: bf16, s: u32) -> bf16 {
+        mul(d, bf16::from_bits(((s + 120) << 7) as u16))
     }
-
-    /// `mx_add_group`.
-    fn mx_add_group(p: f32, s: u32, acc: f32) -> f32 {
-        let (f, big) = mx_scale(s);
-        let p = if big { p * 2f32.powi(120) } else { p };
-        p.mul_add(f, acc)
-    }
-
-    const P120: f32 = 1.329_228e36; // 2^120
 
     #[test]
-    fn integer_decode_is_exact_for_every_code_in_every_byte() {
-        assert_eq!(P120, 2f32.powi(120));
+    fn pair_decode_is_exact_for_every_code_in_both_halves() {
         for c in 0..=255u32 {
             let want = e4m3_decode(c as u8);
             if want.is_nan() {
                 continue; // 0x7F / 0xFF: never packed
             }
-            for j in 0..4 {
-                for fill in [0u32, 0xFFFF_FFFF, 0xA5A5_A5A5, 0x5A5A_5A5A, 0x7F80_FF01] {
-                    let w = (fill & !(0xFF << (8 * j))) | (c << (8 * j));
-                    let d = mx_byte(w, j);
-                    // d * 2^120 is exact (a power-of-two scaling of at most 4 significant bits in range).
-                    assert_eq!(
-                        (d * P120).to_bits(),
-                        want.to_bits(),
-                        "code {c:#04x} in byte {j} among {fill:#010x}"
-                    );
-                    assert_eq!(d as f64 * 2f64.powi(120), want as f64);
+            for j in [0u32, 2] {
+                for half in 0..2 {
+                    for fill in [0u32, 0xFFFF_FFFF, 0xA5A5_A5A5, 0x5A5A_5A5A, 0x7F80_FF01] {
+                        let w = (fill & !(0xFF << (8 * (j + half)))) | (c << (8 * (j + half)));
+                        let d = mx_pair(w, j)[half as usize];
+                        // d * 2^120 is exact: a power-of-two scaling of at most 4 significant bits.
+                        assert_eq!(
+                            (d.to_f32() as f64 * 2f64.powi(120)).to_bits(),
+                            (want as f64).to_bits(),
+                            "code {c:#04x} in byte {} among {fill:#010x}",
+                            j + half
+                        );
+                    }
                 }
             }
         }
-        // Subnormal codes decode to f32 subnormals, the smallest normal code to the smallest normal f32.
-        assert!(mx_top(0x01 << 24).is_subnormal());
-        assert_eq!(mx_top(0x08 << 24), f32::MIN_POSITIVE);
+        // Subnormal codes decode to BF16 subnormals, the smallest normal code to the smallest normal BF16.
+        assert!(mx_pair(0x01, 0)[0].to_f32().is_subnormal());
+        assert_eq!(mx_pair(0x08, 0)[0].to_f32(), f32::MIN_POSITIVE);
     }
 
     #[test]
-    fn group_scaling_gives_every_weight_its_exact_value() {
-        for s in 0..=254u32 {
-            let (f, big) = mx_scale(s);
-            assert!(f.is_normal(), "scale {s}");
-            let want_f = if big {
-                2f64.powi(s as i32 - 127)
-            } else {
-                2f64.powi(s as i32 - 7)
-            };
-            assert_eq!(f as f64, want_f, "scale {s}");
-            assert_eq!(big, s > 134);
-            for c in 0..=255u8 {
-                let v = e4m3_decode(c);
+    fn group_scaling_gives_every_weight_its_bf16_bits() {
+        assert_eq!(
+            KERNEL_MAX_SCALE, 134,
+            "2^(134 - 7) is BF16's largest power of two"
+        );
+        for s in 0..=KERNEL_MAX_SCALE as u32 {
+            for c in 0..=255u32 {
+                let v = e4m3_decode(c as u8);
                 if v.is_nan() {
                     continue;
                 }
-                // What the CPU twin computes on: the f32 value (exact while finite).
+                // What the CPU twin computes on: the f32 value (exact while finite); the BF16 backend holds its BF16.
                 let cpu = v * e8m0_decode(s as u8);
                 if !cpu.is_finite() {
                     continue; // never packed (`pack_exact` rejects it)
                 }
-                // (acc = +0 turns a -0 product into +0: equal values.)
-                let gpu = mx_add_group(mx_top((c as u32) << 24), s, 0.0);
-                assert!(gpu == cpu && (cpu == 0.0 || gpu.to_bits() == cpu.to_bits()));
-            }
-        }
-    }
-
-    /// A little deterministic generator (no dependency).
-    struct Lcg(u64);
-    impl Lcg {
-        fn next(&mut self) -> f32 {
-            self.0 = self
-                .0
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        }
-    }
-
-    /// One output of `linear_mxfp8` on the CPU: lanes take chunks of 16 at `l * 16 + 512 j` of each slice, a chunk's
-    /// partial is an fma chain in units of 2^-120, scaled once per chunk; lanes summed by the xor tree, slices in order.
-    fn kernel_dot(m: &Mxfp8, row: usize, x: &[f32], split: usize) -> f32 {
-        let k = m.cols;
-        let per = (k.div_ceil(32)).div_ceil(split) * 32;
-        let gpr = groups_per_row(k);
-        let mut total = 0f32;
-        for sl in 0..split {
-            let ka = (sl * per).min(k);
-            let kb = (ka + per).min(k);
-            let mut lanes = [0f32; 32];
-            for (l, acc) in lanes.iter_mut().enumerate() {
-                let mut kk = ka + l * 16;
-                while kk < kb {
-                    let len = (kb - kk).min(16);
-                    let mut p = 0f32;
-                    for e in 0..len {
-                        let d = mx_top((m.codes[row * k + kk + e] as u32) << 24);
-                        p = if e == 0 {
-                            d * x[kk]
-                        } else {
-                            d.mul_add(x[kk + e], p)
-                        };
-                    }
-                    *acc = mx_add_group(p, m.scales[row * gpr + kk / 32] as u32, *acc);
-                    kk += 512;
-                }
-            }
-            for o in [16, 8, 4, 2, 1] {
-                let prev = lanes;
-                for (l, v) in lanes.iter_mut().enumerate() {
-                    *v = prev[l] + prev[l ^ o];
-                }
-            }
-            total += lanes[0];
-        }
-        total
-    }
-
-    #[test]
-    fn chunk_arithmetic_matches_the_exact_dot_down_to_tiny_activations() {
-        let (rows, k) = (8usize, 2560usize);
-        let mut g = Lcg(7);
-        // Weights over a wide range of group magnitudes (scale bytes from ~100 to ~160: both scale paths).
-        let w: Vec<f32> = (0..rows * k)
-            .map(|i| g.next() * 2f32.powi(((i / 32) % 64) as i32 - 30))
-            .collect();
-        let m = quantize(&w, rows, k);
-        assert!(m.scales.iter().any(|&s| s > 134) && m.scales.iter().any(|&s| s < 120));
-        let vals = dequantize(&m);
-        for xscale in [1.0f32, 1e-3, 1e-6, 1e-9] {
-            let x: Vec<f32> = (0..k).map(|_| g.next() * xscale).collect();
-            for r in 0..rows {
-                let exact: f64 = (0..k).map(|i| vals[r * k + i] as f64 * x[i] as f64).sum();
-                let mag: f64 = (0..k)
-                    .map(|i| (vals[r * k + i] as f64 * x[i] as f64).abs())
-                    .sum();
-                // The kernel's bound: f32 rounding of the chains and sums (a few 2^-24 of sum |w x|), plus at most
-                // 2^-150 per fma in units of 2^-120 where partial products are f32 subnormals: 2^(s - 157) in the
-                // output per fma, 16 per chunk of 16 codes.
-                let sub: f64 = (0..k / 16)
-                    .map(|c| 16.0 * 2f64.powi(m.scales[r * (k / 32) + c / 2] as i32 - 157))
-                    .sum();
-                for split in [1, 2, 4, 8] {
-                    let got = kernel_dot(&m, r, &x, split) as f64;
-                    let err = (got - exact).abs();
-                    assert!(
-                        err <= 2e-6 * mag + sub,
-                        "row {r} split {split} x*{xscale}: {got} vs {exact} (sum|wx| {mag}, subnormal bound {sub})"
+                let gpu = scaled(mx_pair(c, 0)[0], s);
+                assert_eq!(
+                    gpu.to_bits(),
+                    bf16::from_f32(cpu).to_bits(),
+                    "code {c:#04x} scale {s}"
+                );
+                // Wherever the value is a BF16 value (every weight re-coded from BF16), it is that value.
+                if bf16::from_f32(cpu).to_f32() == cpu {
+                    assert_eq!(
+                        gpu.to_f32().to_bits(),
+                        cpu.to_bits(),
+                        "code {c:#04x} scale {s}"
                     );
-                    if xscale == 1.0 {
-                        // Unit-size activations: no visible subnormal effect.
-                        assert!(err <= 2e-6 * mag, "row {r} split {split}: {got} vs {exact}");
-                    }
                 }
             }
         }

@@ -7,12 +7,12 @@
 //! - BF16 `up` of a hyper-connection read ([`flashplan_plan::WeightUse::HcUp`]): feature-major MMA tiles
 //!   ([`tile_hc_up`]) for `hc_mix_tc`;
 //! - any other BF16 `[rows, cols]`: `rows * cols` 16-bit patterns, row-major;
-//! - MXFP8 `[n, k]`: the E4M3 codes `[n, k]` (one byte each, row-major), then, at the next 256-byte boundary, the
-//!   E8M0 scales `[n, ceil(k / 32)]` (one byte per 32 consecutive inputs of a row, row-major). The weight's address
-//!   is the codes'; the scales' address is kept beside it ([`Placed::scales`]).
+//! - MXFP8 `[n, k]`: MMA tiles of E4M3 codes, each with its E8M0 scales ([`tile_mxfp8`]), so that every lane of
+//!   `linear_mxfp8`'s warps loads the codes of its two A fragments with one 16-byte load, and a warp reads each step's
+//!   weights as one contiguous run.
 
 use crate::backend::BackendError;
-use crate::mxfp8::{mxfp8_flags, pack_exact, Mxfp8};
+use crate::mxfp8::{mxfp8_flags, pack_exact, Mxfp8, KERNEL_MAX_SCALE};
 use flashplan_plan::{Op, PlanBody, WeightUse};
 
 /// Alignment of every piece in the weight allocation, bytes.
@@ -22,17 +22,17 @@ pub(crate) const ALIGN: usize = 256;
 pub(crate) enum DevWeight {
     /// BF16 bit patterns in the weight's device layout ([`bf16_layout`]: MMA tiles or row-major).
     Bf16(Vec<u16>),
-    /// MXFP8 codes and scales ([`crate::mxfp8`] layout).
-    Mxfp8(Mxfp8),
+    /// MXFP8 codes and scales in MMA tiles ([`tile_mxfp8`]).
+    Mxfp8(Vec<u8>),
 }
 
 /// Where a weight lies: byte offsets in the weight allocation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Placed {
-    /// The weight (BF16 values or MXFP8 codes).
+    /// The weight (BF16 values or MXFP8 tiles).
     pub data: usize,
-    /// MXFP8 scales; `None` for BF16.
-    pub scales: Option<usize>,
+    /// Whether it is MXFP8 ([`tile_mxfp8`]) rather than BF16.
+    pub mxfp8: bool,
 }
 
 fn up(n: usize) -> usize {
@@ -48,14 +48,14 @@ impl DevWeight {
                 let b = unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, v.len() * 2) };
                 vec![(0, b)]
             }
-            DevWeight::Mxfp8(m) => vec![(0, &m.codes[..]), (up(m.codes.len()), &m.scales[..])],
+            DevWeight::Mxfp8(t) => vec![(0, &t[..])],
         }
     }
     /// Bytes the weight takes, padded to [`ALIGN`].
     pub(crate) fn bytes(&self) -> usize {
         match self {
             DevWeight::Bf16(v) => up(v.len() * 2),
-            DevWeight::Mxfp8(m) => up(m.codes.len()) + up(m.scales.len()),
+            DevWeight::Mxfp8(t) => up(t.len()),
         }
     }
 }
@@ -68,10 +68,7 @@ pub(crate) fn place(weights: &[Option<DevWeight>]) -> (Vec<Option<Placed>>, usiz
         out.push(w.as_ref().map(|w| {
             let p = Placed {
                 data: total,
-                scales: match w {
-                    DevWeight::Bf16(_) => None,
-                    DevWeight::Mxfp8(m) => Some(total + up(m.codes.len())),
-                },
+                mxfp8: matches!(w, DevWeight::Mxfp8(_)),
             };
             total += w.bytes();
             p
@@ -121,6 +118,53 @@ pub(crate) fn tile_linear(w: &[u16], n: usize, k: usize) -> Vec<u16> {
     for (row, vals) in w.chunks_exact(k.max(1)).enumerate() {
         for (col, &v) in vals.iter().enumerate() {
             out[tile_index(row, col, k)] = v;
+        }
+    }
+    out
+}
+
+/// Bytes of one MXFP8 tile ([`tile_mxfp8`]): 16 features x 32 codes, then their 16 scale bytes.
+pub(crate) const MX_TILE_BYTES: usize = 528;
+
+/// Bytes of an MXFP8 `[n, k]` weight in tiles ([`tile_mxfp8`]): ceil(n / 16) x ceil(k / 32) tiles.
+pub(crate) fn mxfp8_tile_bytes(n: u64, k: u64) -> u64 {
+    n.div_ceil(16) * k.div_ceil(32) * MX_TILE_BYTES as u64
+}
+
+/// MXFP8 `[n, k]` in MMA tiles for `linear_mxfp8` (kernels/mxfp8.cu `TcMxfp8Tiles`): tile (m, step) of features
+/// 16 m .. 16 m + 15 and inputs 32 step .. 32 step + 31 is [`MX_TILE_BYTES`] at byte
+/// `(m * ceil(k / 32) + step) * MX_TILE_BYTES`. Its bytes `16 l .. 16 l + 15` are lane l's (g = l / 4, q = l % 4):
+/// the 8 codes of feature 16 m + g at inputs 32 step + 8 q .. + 7, then those of feature 16 m + g + 8; its bytes
+/// `512 + 2 g + h` (g < 8, h < 2) are the scales of feature 16 m + 8 h + g for the step (a step of 32 inputs is one
+/// scale group: a lane loads its two rows' scales as one 16-bit word). Past n and k: zero codes with scale 127
+/// (weights 0).
+pub(crate) fn tile_mxfp8(m: &Mxfp8) -> Vec<u8> {
+    let (n, k) = (m.rows, m.cols);
+    let steps = k.div_ceil(32);
+    let gpr = crate::mxfp8::groups_per_row(k);
+    let mut out = vec![0u8; mxfp8_tile_bytes(n as u64, k as u64) as usize];
+    for (tile, t) in out.chunks_exact_mut(MX_TILE_BYTES).enumerate() {
+        let (mt, step) = (tile / steps, tile % steps);
+        for r in 0..16 {
+            let row = mt * 16 + r;
+            // The lane (g, q) bytes of this row: g = r % 8, the first or second half of each lane's 16 bytes.
+            let (g, half) = (r % 8, r / 8);
+            t[512 + 2 * g + half] = if row < n {
+                m.scales[row * gpr + step]
+            } else {
+                127
+            };
+            if row >= n {
+                continue;
+            }
+            for q in 0..4 {
+                for e in 0..8 {
+                    let col = step * 32 + q * 8 + e;
+                    if col < k {
+                        t[(g * 4 + q) * 16 + half * 8 + e] = m.codes[row * k + col];
+                    }
+                }
+            }
         }
     }
     out
@@ -240,7 +284,8 @@ pub(crate) fn bf16_layout(w: Vec<u16>, u: WeightUse) -> Result<DevWeight, Backen
 /// losslessly ([`pack_exact`]), BF16 (round to nearest) for the rest ([`bf16_layout`]: MMA tiles for linear
 /// weights).
 /// An MXFP8 weight whose values cannot be packed without changing them (not expected: re-coded and stored MXFP8
-/// values always can, unless a stored group overflows f32) is uploaded as BF16, with a warning, and runs `linear`.
+/// values always can, unless a stored group overflows f32), or with a scale above
+/// [`KERNEL_MAX_SCALE`](crate::mxfp8::KERNEL_MAX_SCALE), is uploaded as BF16, with a warning, and runs `linear`.
 ///
 /// # Errors
 /// As [`bf16_layout`].
@@ -260,16 +305,26 @@ pub(crate) fn device_forms(
             Some(e) if mx.get(i).copied().unwrap_or(false) => {
                 let cols = e.shape.last().copied().unwrap_or(1) as usize;
                 let rows = w.len().checked_div(cols).unwrap_or(0);
-                pack_exact(w, rows, cols)
-                    .map_err(|err| {
-                        tracing::warn!("MXFP8 weight {} stays BF16 on the device: {err}", e.name)
-                    })
-                    .ok()
+                match pack_exact(w, rows, cols) {
+                    Ok(m) if m.scales.iter().all(|&s| s <= KERNEL_MAX_SCALE) => Some(m),
+                    Ok(_) => {
+                        tracing::warn!(
+                            "MXFP8 weight {} stays BF16 on the device: a scale above {KERNEL_MAX_SCALE} (values of \
+                             2^15 or more)",
+                            e.name
+                        );
+                        None
+                    }
+                    Err(err) => {
+                        tracing::warn!("MXFP8 weight {} stays BF16 on the device: {err}", e.name);
+                        None
+                    }
+                }
             }
             _ => None,
         };
         let dev = match packed {
-            Some(m) => DevWeight::Mxfp8(m),
+            Some(m) => DevWeight::Mxfp8(tile_mxfp8(&m)),
             None => bf16_layout(
                 w.iter()
                     .map(|x| half::bf16::from_f32(*x).to_bits())
@@ -435,32 +490,22 @@ mod tests {
     }
 
     #[test]
-    fn mxfp8_pieces_hold_codes_then_aligned_scales() {
-        let w: Vec<f32> = (0..3 * 40).map(|i| (i as f32 - 50.0) * 0.37).collect();
-        let m = quantize(&w, 3, 40);
+    fn mxfp8_tiles_hold_each_lanes_codes_and_the_steps_scales() {
+        // 20 features (a part tile) x 40 inputs (a part step).
+        let (n, k) = (20usize, 40usize);
+        let w: Vec<f32> = (0..n * k).map(|i| (i as f32 - 350.0) * 0.37).collect();
+        let m = quantize(&w, n, k);
         let dev = [
             Some(DevWeight::Bf16(vec![0; 5])),
             None,
-            Some(DevWeight::Mxfp8(m.clone())),
+            Some(DevWeight::Mxfp8(tile_mxfp8(&m))),
         ];
         let (placed, total) = place(&dev);
-        assert_eq!(
-            placed[0],
-            Some(Placed {
-                data: 0,
-                scales: None
-            })
-        );
-        assert_eq!(placed[1], None);
-        assert_eq!(
-            placed[2],
-            Some(Placed {
-                data: 256,
-                scales: Some(512)
-            })
-        );
-        assert_eq!(total, 768);
-        // The bytes at those places, read back as the kernel reads them, give the values.
+        let p = |data, mxfp8| Some(Placed { data, mxfp8 });
+        assert_eq!(placed, vec![p(0, false), None, p(256, true)]);
+        let steps = k.div_ceil(32);
+        let tiles = n.div_ceil(16) * steps;
+        assert_eq!(total, 256 + (tiles * MX_TILE_BYTES).div_ceil(ALIGN) * ALIGN);
         let mut mem = vec![0u8; total];
         for (w, p) in dev.iter().zip(&placed) {
             if let (Some(w), Some(p)) = (w, p) {
@@ -469,16 +514,21 @@ mod tests {
                 }
             }
         }
-        let (n, k) = (3usize, 40usize);
-        let g = k.div_ceil(32);
-        for r in 0..n {
-            for c in 0..k {
-                let code = mem[256 + r * k + c];
-                let s = mem[512 + r * g + c / 32];
-                assert_eq!(
-                    e4m3_decode(code) * e8m0_decode(s),
-                    dequantize_stored(&m.codes, &m.scales, n, k)[r * k + c]
-                );
+        // Read back as the kernel reads them (TcMxfp8Tiles): lane (g, q) of tile (m, step), half h for feature
+        // 16 m + 8 h + g; its scale byte 512 + 2 g + h.
+        let want = dequantize_stored(&m.codes, &m.scales, n, k);
+        for row in 0..n.div_ceil(16) * 16 {
+            for col in 0..steps * 32 {
+                let tile = 256 + ((row / 16) * steps + col / 32) * MX_TILE_BYTES;
+                let (g, h, q) = (row % 8, (row % 16) / 8, (col % 32) / 8);
+                let code = mem[tile + (g * 4 + q) * 16 + h * 8 + col % 8];
+                let s = mem[tile + 512 + 2 * g + h];
+                let v = e4m3_decode(code) * e8m0_decode(s);
+                if row < n && col < k {
+                    assert_eq!(v, want[row * k + col], "[{row}, {col}]");
+                } else {
+                    assert_eq!((code, v), (0, 0.0), "padding at [{row}, {col}]");
+                }
             }
         }
     }

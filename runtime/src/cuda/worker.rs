@@ -18,8 +18,8 @@ pub(super) struct Worker {
     /// Bytes of `weights`.
     weights_bytes: u64,
     weight_ptr: Vec<u64>,
-    /// MXFP8 scales of each weight held as MXFP8 (weights.rs), 0 for the others.
-    weight_scales: Vec<u64>,
+    /// Whether each weight is held as MXFP8 tiles (weights.rs `tile_mxfp8`) rather than BF16.
+    weight_mxfp8: Vec<bool>,
     arena: DevBuf,
     io: BTreeMap<IoBuf, DevBuf>,
     slots: DevBuf,
@@ -139,7 +139,7 @@ impl Worker {
             None
         };
         let mut weight_ptr = vec![0u64; weights.len()];
-        let mut weight_scales = vec![0u64; weights.len()];
+        let mut weight_mxfp8 = vec![false; weights.len()];
         if let Some(wb) = &wbuf {
             for (i, (w, at)) in weights.iter().zip(&offsets).enumerate() {
                 if let (Some(w), Some(at)) = (w, at) {
@@ -150,7 +150,7 @@ impl Worker {
                             .map_err(dev_err("weight upload"))?;
                     }
                     weight_ptr[i] = wb.ptr + at.data as u64;
-                    weight_scales[i] = at.scales.map_or(0, |o| wb.ptr + o as u64);
+                    weight_mxfp8[i] = at.mxfp8;
                 }
             }
         }
@@ -210,7 +210,7 @@ impl Worker {
             weights: wbuf,
             weights_bytes: total as u64,
             weight_ptr,
-            weight_scales,
+            weight_mxfp8,
             arena,
             io,
             slots,
@@ -320,7 +320,7 @@ impl Worker {
             arena: self.arena.ptr,
             io: &io_ptr,
             weights: &self.weight_ptr,
-            mxfp8_scales: &self.weight_scales,
+            mxfp8: &self.weight_mxfp8,
             common,
             rope: self.rope.ptr,
             rope_cfg: &self.rope_cfg,

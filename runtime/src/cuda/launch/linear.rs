@@ -51,7 +51,8 @@ pub(crate) fn tc_split(k: u32, n: u32) -> u32 {
         .unwrap_or(8)
 }
 
-/// `linear_mxfp8` entry points per row tile (kernels/mxfp8.cu).
+/// `linear_mxfp8` entry points per row tile (kernels/mxfp8.cu: the BF16 linear's body decoding MXFP8 weights, with
+/// `linear`'s launch shapes).
 const LINEAR_MXFP8: ByRows = &[
     "linear_mxfp8_t1",
     "linear_mxfp8_t2",
@@ -59,49 +60,6 @@ const LINEAR_MXFP8: ByRows = &[
     "linear_mxfp8_t8",
     "linear_mxfp8_t16",
 ];
-
-/// Output features per warp group of `linear_mxfp8` (`MX_NPW` in kernels/mxfp8.cu), at every row tile.
-const MX_NPW: u32 = 4;
-
-/// Slices of K for `linear_mxfp8` (kernels/mxfp8.cu: slices of whole scale groups, each lane reading 16 codes at a
-/// time, a warp 512 per pass): the fewest of 1, 2, 4, 8 that leave each lane at most 8 chunks of 16 codes per
-/// weight row and give the launch at least 256 blocks (a weight with few rows splits K rather than leave SMs idle),
-/// else 8. A function of the weight's shape `[n, k]` alone, so every row count gets the same slices (row
-/// invariance).
-pub(super) fn mx_split(k: u32, n: u32) -> u32 {
-    let passes = k.div_ceil(512);
-    [1, 2, 4, 8]
-        .into_iter()
-        .find(|&s| passes.div_ceil(s) <= 8 && n.div_ceil(MX_NPW * (8 / s)) >= 256)
-        .unwrap_or(8)
-}
-
-/// A `Linear` node whose weight is held as MXFP8 (issue 8): `linear_mxfp8` (kernels/mxfp8.cu) with `linear`'s
-/// parameters (`p.w` is the codes' address) and row tile, its own split of K ([`mx_split`]) and grid (blocks of
-/// 8 / split groups of [`MX_NPW`] features; the kernel strides over its grid).
-fn linear_mxfp8(p: &FpLinear, scales: u64, total: u32) -> LaunchSpec {
-    let split = mx_split(p.k, p.n);
-    let grid = p.n.div_ceil(MX_NPW * (8 / split));
-    let m = FpLinearMxfp8 {
-        c: p.c,
-        x: p.x,
-        codes: p.w,
-        scales,
-        out: p.out,
-        k: p.k,
-        n: p.n,
-        sub: p.sub,
-        accumulate: p.accumulate,
-        gathered: p.gathered,
-        split,
-    };
-    LaunchSpec::new(
-        by_rows(LINEAR_MXFP8, total),
-        bytes(&m),
-        (grid.max(1), 1, 1),
-        256,
-    )
-}
 
 /// A `Linear` node's parameters, its launch's row count (sub-rows: `total`) and output features per block of
 /// `linear` (kernels/linear.cuh `linear_tc_rows`: a block of 8 warps = 8 / split m-tiles of 16 features, each over
@@ -267,23 +225,27 @@ pub(super) fn with_split(
     LaunchSpec::new(split, params, (split_grid(total, k), 1, 1), 256).then(kernel, grid, 256)
 }
 
-/// Parameters and launch of a `Linear` node: `linear_mxfp8` when its weight is held as MXFP8, else the BF16
-/// `linear` entry point of its rows (one wave at one or two rows), after the row split from two rows on.
+/// Parameters and launch of a `Linear` node: the BF16 `linear` entry point of its rows, or `linear_mxfp8`'s when its
+/// weight is held as MXFP8 tiles (the same body, parameters, split of K, grid and row split: bit-identical results on
+/// the same values), one wave at one or two rows, after the row split from two rows on.
 pub(super) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, BackendError> {
     let Op::Linear { w, n, .. } = op else {
         return Err(wrong_op("linear", op));
     };
     let (p, total, per_block) = linear_params(a, v, op)?;
-    if let Some(scales) = a.mxfp8_scales_of(*w) {
-        return Ok(linear_mxfp8(&p, scales, total));
-    }
     let entry = linear_entry(total, p.k, p.split);
+    let deep = entry == "linear_t1_deep";
     let mut grid = n.div_ceil(per_block);
-    if total <= 2 && entry != "linear_t1_deep" {
+    if total <= 2 && !deep {
         // As `linear_multi` at one or two rows: one wave (the lm_head's `linear_t1_deep` in one wave of 264 blocks
         // was slower: 300.8 -> 302.8 us).
         grid = one_wave(grid, LINEAR_T1_BLOCKS_PER_SM, a.sms);
     }
+    let entry = match (a.is_mxfp8(*w), deep) {
+        (false, _) => entry,
+        (true, true) => "linear_mxfp8_t1_deep",
+        (true, false) => by_rows(LINEAR_MXFP8, total),
+    };
     Ok(with_split(
         "linear_split",
         entry,

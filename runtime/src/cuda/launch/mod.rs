@@ -57,8 +57,8 @@ pub(crate) struct Addrs<'a> {
     pub arena: u64,
     pub io: &'a dyn Fn(flashplan_plan::IoBuf) -> u64,
     pub weights: &'a [u64],
-    /// Per weight: the address of its MXFP8 scales when it is held as MXFP8 (codes at `weights`), else 0.
-    pub mxfp8_scales: &'a [u64],
+    /// Per weight: whether it is held as MXFP8 tiles (weights.rs `tile_mxfp8`, at `weights`) rather than BF16.
+    pub mxfp8: &'a [bool],
     pub common: FpCommon,
     pub rope: u64,
     pub rope_cfg: &'a Rope,
@@ -175,12 +175,9 @@ impl Addrs<'_> {
         };
         base + d.offset * 4
     }
-    /// The address of weight `id`'s MXFP8 scales when it is held as MXFP8 (its codes at [`Addrs::w`]), else `None`.
-    fn mxfp8_scales_of(&self, id: WeightId) -> Option<u64> {
-        self.mxfp8_scales
-            .get(id.0 as usize)
-            .copied()
-            .filter(|&s| s != 0)
+    /// Whether weight `id` is held as MXFP8 tiles (its address at [`Addrs::w`]).
+    fn is_mxfp8(&self, id: WeightId) -> bool {
+        self.mxfp8.get(id.0 as usize).copied().unwrap_or(false)
     }
     fn w(&self, id: WeightId) -> Result<u64, BackendError> {
         match self.weights.get(id.0 as usize) {
@@ -307,7 +304,7 @@ pub(crate) fn specs(
             out.push(Some(node_spec(a, v, i, &n.op)?));
         }
     } else {
-        let mxfp8 = |w: WeightId| a.mxfp8_scales_of(w).is_some();
+        let mxfp8 = |w: WeightId| a.is_mxfp8(w);
         for g in fuse::launch_groups(v, mxfp8) {
             if g.len() == 1 {
                 out.push(Some(node_spec(a, v, g.start, &v.nodes[g.start].op)?));

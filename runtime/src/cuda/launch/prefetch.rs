@@ -11,6 +11,7 @@ use flashplan_plan::{Op, Variant, VariantKind};
 use super::{bytes, Addrs, LaunchSpec};
 use crate::backend::BackendError;
 use crate::cuda::params::{FpL2Prefetch, L2_PREFETCH_CHUNK, L2_PREFETCH_RANGES};
+use crate::cuda::weights::mxfp8_tile_bytes;
 
 /// Fewest rows a verify round must have for its graph to get prefetches. On the H200 (docs/benchmarks.md, fourteenth
 /// and fifteenth sessions) a 32 MB budget gained 0.8-1.1% in the lone windows of 8 and 16 rows and 0.9% in the round
@@ -45,8 +46,8 @@ const MIN_RANGE_BYTES: u64 = 16 << 10;
 /// Threads a block of `l2_prefetch`.
 const PREFETCH_BLOCK: u32 = 64;
 
-/// The device byte ranges (address, bytes) of the weights `op` reads in full: BF16 `numel * 2` bytes; MXFP8 codes
-/// `numel` bytes and scales `n * ceil(k / 32)` bytes. Embedding tables (a few rows of them are read) and the routed
+/// The device byte ranges (address, bytes) of the weights `op` reads in full: BF16 `numel * 2` bytes; MXFP8 its tiles
+/// ([`mxfp8_tile_bytes`]). Embedding tables (a few rows of them are read) and the routed
 /// experts (the routing picks which) have none.
 fn weight_ranges(a: &Addrs, op: &Op) -> Result<Vec<(u64, u64)>, BackendError> {
     if matches!(
@@ -59,16 +60,14 @@ fn weight_ranges(a: &Addrs, op: &Op) -> Result<Vec<(u64, u64)>, BackendError> {
     for id in op.weights() {
         let e = &a.body.weights[id.0 as usize];
         let ptr = a.w(id)?;
-        match a.mxfp8_scales_of(id) {
-            None => out.push((ptr, e.numel() * 2)),
-            Some(s) => {
-                let (n, k) = (
-                    e.shape.first().copied().unwrap_or(1),
-                    e.shape.last().copied().unwrap_or(1),
-                );
-                out.push((ptr, e.numel()));
-                out.push((s, n * k.div_ceil(32)));
-            }
+        if a.is_mxfp8(id) {
+            let (n, k) = (
+                e.shape.first().copied().unwrap_or(1),
+                e.shape.last().copied().unwrap_or(1),
+            );
+            out.push((ptr, mxfp8_tile_bytes(n, k)));
+        } else {
+            out.push((ptr, e.numel() * 2));
         }
     }
     Ok(out)

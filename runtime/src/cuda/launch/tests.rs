@@ -46,10 +46,22 @@ fn specs_of_fused(
     sms: u32,
     fuse_linears: bool,
 ) -> Vec<(Variant, Vec<Option<LaunchSpec>>)> {
+    specs_with(body, fuse_small, side_scratch, sms, fuse_linears, false)
+}
+
+/// [`specs_of_fused`], with every weight held as MXFP8 when `mxfp8`.
+fn specs_with(
+    body: &PlanBody,
+    fuse_small: bool,
+    side_scratch: u64,
+    sms: u32,
+    fuse_linears: bool,
+    mxfp8: bool,
+) -> Vec<(Variant, Vec<Option<LaunchSpec>>)> {
     let weights: Vec<u64> = (0..body.weights.len() as u64)
         .map(|i| 0x1000_0000 + (i << 20))
         .collect();
-    let scales = vec![0u64; weights.len()];
+    let held_mxfp8 = vec![mxfp8; weights.len()];
     let rope = Rope::new(&body.config);
     let io = |_: flashplan_plan::IoBuf| 0x2000_0000u64;
     body.variants
@@ -61,7 +73,7 @@ fn specs_of_fused(
                 arena: 0x3000_0000,
                 io: &io,
                 weights: &weights,
-                mxfp8_scales: &scales,
+                mxfp8: &held_mxfp8,
                 common: FpCommon {
                     nstreams,
                     window,
@@ -355,9 +367,6 @@ fn linears_of_two_rows_or_more_split_their_rows_first() {
             let (Op::Linear { x, k, sub, .. }, Some(s)) = (&n.op, s) else {
                 continue;
             };
-            if s.kernel.starts_with("linear_mxfp8") {
-                continue;
-            }
             let (streams, window) = v.kind.shape();
             let gathered = fuse::linear_gathered(&v, *x, *k, *sub);
             let total = if gathered { streams } else { streams * window } * sub;
@@ -488,19 +497,41 @@ fn hc_norm_moves_into_the_write_before_a_read_of_the_same_h() {
 }
 
 #[test]
-fn mx_split_depends_on_the_weight_shape_only() {
-    // The drafting lm_head (k 2560, n 248320): no split, 7760 blocks of 32 features.
-    assert_eq!(mx_split(2560, 248_320), 1);
-    // Few rows: split K for more blocks (k/v projections, n 512), up to 8.
-    assert_eq!(mx_split(2560, 512), 8);
-    assert_eq!(mx_split(2560, 2560), 4);
-    // Long rows: at most 8 chunks of 16 codes per lane and row.
-    assert_eq!(mx_split(8192, 1 << 20), 2);
-    assert_eq!(mx_split(1 << 20, 1 << 20), 8);
-    for (k, n) in [(64, 512), (2560, 12_288), (6144, 2560), (40, 3)] {
-        let s = mx_split(k, n);
-        assert!([1, 2, 4, 8].contains(&s), "{k} x {n}: {s}");
+fn mxfp8_linears_take_the_bf16_linear_launches() {
+    // Every weight held as MXFP8 against none, linears unfused (MXFP8 weights are never fused): the same kernels but
+    // `linear_mxfp8_*` for `linear_*`, the same grids, row splits and parameters.
+    let plan = crate::cuda::fuse::tests::tiny_plan();
+    let bf = specs_with(&plan, true, SIDE_SCRATCH, 132, false, false);
+    let mx = specs_with(&plan, true, SIDE_SCRATCH, 132, false, true);
+    let name = |k: &str| k.replacen("linear_", "linear_mxfp8_", 1);
+    let mut seen = [false; 2];
+    for ((v, b), (_, m)) in bf.iter().zip(&mx) {
+        for ((node, b), m) in v.nodes.iter().zip(b).zip(m) {
+            let (Op::Linear { .. }, Some(b), Some(m)) = (&node.op, b, m) else {
+                continue;
+            };
+            let what = format!("{} {:?}", v.kind.name(), node.op);
+            assert_eq!(m.grid, b.grid, "{what}");
+            assert_eq!(m.block, b.block, "{what}");
+            if b.then.is_empty() {
+                seen[0] = true;
+                assert!(b.kernel.starts_with("linear_t"), "{what}: {}", b.kernel);
+                assert_eq!(m.kernel, name(b.kernel), "{what}");
+            } else {
+                seen[1] = true;
+                assert_eq!(
+                    (m.kernel, b.kernel),
+                    ("linear_split", "linear_split"),
+                    "{what}"
+                );
+                assert_eq!(m.then.len(), 1, "{what}");
+                assert_eq!(m.then[0].0, name(b.then[0].0), "{what}");
+                assert_eq!(m.then[0].1, b.then[0].1, "{what}");
+            }
+            assert_eq!(m.params, b.params, "{what}");
+        }
     }
+    assert_eq!(seen, [true, true], "one-row and split launches");
 }
 
 #[test]
