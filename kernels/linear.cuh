@@ -68,11 +68,12 @@ DEV void tc_load_tiles(uint4 (&w0)[U], uint4 (&w1)[U], const uint4* wp) {
 }
 
 // ---- Weight sources of linear_tc_rows: where a lane's A fragments of each step come from ----
-// A source is pointed at m-tile m, step s of lane `lane` (`seek(a, steps, lane, m, s)`: steps = ceil(k / 32)), loads a
-// batch of N steps from there (`load<N, ALL>(b, left)`: all N, or with ALL false only steps u < left, zeros for the
-// rest), gives step u's two A fragments (`frag(b, u, w0, w1)`: MMA 0's, k 8 q + 0 .. 3, and MMA 1's, k 8 q + 4 .. 7,
-// each register one BF16 pair in the order a0a1, a2a3, a4a5, a6a7) and moves on (`advance(steps)`). Every source
-// gives the MMAs BF16 values, so the arithmetic after the fragments is the same for all of them.
+// A source is pointed at m-tile m, step s of lane `lane` (`seek(a, steps, lane, m, s)`: steps = ceil(k / 32)), loads
+// a batch of N steps from there (`load<N, ALL>(b, first, end)`: all N, or with ALL false only the steps u with
+// first + u < end, zeros for the rest), gives step u's two A fragments (`frag(b, u, w0, w1)`: MMA 0's, k 8 q + 0 .. 3,
+// and MMA 1's, k 8 q + 4 .. 7, each register one BF16 pair in the order a0a1, a2a3, a4a5, a6a7) and moves on
+// (`advance(steps)`). Every source gives the MMAs BF16 values, so the arithmetic after the fragments is the same for
+// all of them.
 
 // BF16 weights in MMA tiles (TC_TILE_U4): a step's fragments are its two 16-byte loads.
 struct TcBf16Tiles {
@@ -85,13 +86,13 @@ struct TcBf16Tiles {
         wp = (const uint4*)a.w + ((u64)m * steps + s) * TC_TILE_U4 + lane;
     }
     template <int N, bool ALL>
-    DEV void load(Batch<N>& b, u32 left) const {
+    DEV void load(Batch<N>& b, u32 first, u32 end) const {
         if constexpr (ALL) {
             tc_load_tiles<N>(b.w0, b.w1, wp);
         } else {
 #pragma unroll
             for (int u = 0; u < N; u++) {
-                const bool in = (u32)u < left;
+                const bool in = first + u < end;
                 b.w0[u] = in ? ldg_stream16_l2pf(wp + u * TC_TILE_U4) : zero4();
                 b.w1[u] = in ? ldg_stream16_l2pf(wp + u * TC_TILE_U4 + 32) : zero4();
             }
@@ -234,7 +235,7 @@ DEV void tc_steps_split(float (&acc)[NT][3][4], W w, u32 s0, u32 s1, const uint4
     u32 st = s0;
     for (; st + U <= s1; st += U) {
         typename W::template Batch<U> b;
-        w.template load<U, true>(b, U);
+        w.template load<U, true>(b, 0, U);
         tc_batch_mmas_w<U, NT, SHARED>(acc, w, b, xb, U);
         w.advance(U);
 #pragma unroll
@@ -244,7 +245,7 @@ DEV void tc_steps_split(float (&acc)[NT][3][4], W w, u32 s0, u32 s1, const uint4
         // The last batch of fewer than U steps: every load in flight at once, then its steps' MMAs.
         const u32 left = s1 - st;
         typename W::template Batch<U - 1> b;
-        w.template load<U - 1, false>(b, left);
+        w.template load<U - 1, false>(b, 0, left);
         tc_batch_mmas_w<U - 1, NT, SHARED>(acc, w, b, xb, left);
     }
 }
@@ -338,7 +339,7 @@ DEV void linear_tc_rows_w(const FpLinear& a, u32 total, u32 block, u32 nblocks, 
                 W ws = w;
                 for (u32 st = s0; st < s1; st += U) {
                     typename W::template Batch<U> b;
-                    ws.template load<U, false>(b, s1 - st);
+                    ws.template load<U, false>(b, st, s1);
 #pragma unroll
                     for (int u = 0; u < U; u++) {
                         if (st + u >= s1) break;

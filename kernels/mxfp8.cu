@@ -75,10 +75,10 @@ struct TcMxfp8Tiles {
         tp = (const u8_t*)a.w + ((u64)m * steps + s) * MX_TILE;
     }
     template <int N, bool ALL>
-    DEV void load(Batch<N>& b, u32 left) const {
+    DEV void load(Batch<N>& b, u32 first, u32 end) const {
 #pragma unroll
         for (int u = 0; u < N; u++) {
-            const bool in = ALL || (u32)u < left;
+            const bool in = ALL || first + u < end;
             const u8_t* t = tp + u * MX_TILE;
             b.c[u] = in ? ldg_stream16_l2pf(t + lane * 16) : zero4();
             b.s[u] = in ? ldg_u16(t + 512 + 2 * g) : 0u;
