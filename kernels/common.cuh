@@ -344,7 +344,7 @@ DEV bool row_ok(const FpCommon& c, u32 r, bool gathered) {
 
 // Weight rows for warp_dots_rows: a row of BF16 weights. load(kk): the 8 weights at kk .. kk+7 as one raw chunk
 // (a 16-byte streaming load); unpack: their f32 values in order; at(kk): one weight (scalar path); from(k): the
-// row starting k weights later. Other formats (kernels/mxfp8.cu) provide the same members.
+// row starting k weights later.
 struct Bf16Row {
     const bf16_t* p;
     typedef uint4 raw_t;

@@ -1,6 +1,6 @@
-// The body of the BF16 linear kernels (linear.cu's linear and linear_multi; norm.cu's hc_mix_tc with its own
-// epilogue): out[i, n] (+)= sum_k x[i, k] * w[n, k] over the sub-rows i of every real row, on tensor cores
-// (`linear_tc_rows` below).
+// The body of the linear kernels (linear.cu's linear and linear_multi; norm.cu's hc_mix_tc with its own epilogue;
+// mxfp8.cu's linear_mxfp8 with its own weight source): out[i, n] (+)= sum_k x[i, k] * w[n, k] over the sub-rows i of
+// every real row, on tensor cores (`linear_tc_rows_w` below).
 #pragma once
 #include "common.cuh"
 
@@ -9,7 +9,7 @@ DEV u32 linear_total(const FpCommon& c, u32 sub, u32 gathered) {
     return (gathered ? c.nstreams : c.nstreams * c.window) * sub;
 }
 
-// ---- Tensor-core body of the BF16 linear (linear.cu's linear and linear_multi) ----
+// ---- Tensor-core body of the linears (linear.cu's linear and linear_multi, mxfp8.cu's linear_mxfp8) ----
 // out[i, n] (+)= sum_k x[i, k] * w[n, k] with mma.sync m16n8k16 (BF16 x BF16 -> f32). The f32 activation is split
 // exactly into three BF16 terms x = hi + mid + lo (`split3`: truncations of the f32 bits; every remainder is exact
 // in f32), so every product w * term is exact and the sum is f32 accumulation in the tensor core's fixed order.
@@ -67,7 +67,7 @@ DEV void tc_load_tiles(uint4 (&w0)[U], uint4 (&w1)[U], const uint4* wp) {
     }
 }
 
-// ---- Weight sources of linear_tc_rows: where a lane's A fragments of each step come from ----
+// ---- Weight sources of linear_tc_rows_w: where a lane's A fragments of each step come from ----
 // A source is pointed at m-tile m, step s of lane `lane` (`seek(a, steps, lane, m, s)`: steps = ceil(k / 32)), loads
 // a batch of N steps from there (`load<N, ALL>(b, first, end)`: all N, or with ALL false only the steps u with
 // first + u < end, zeros for the rest), gives step u's two A fragments (`frag(b, u, w0, w1)`: MMA 0's, k 8 q + 0 .. 3,
@@ -191,7 +191,8 @@ struct LinearStore {
 // One step's MMAs against NT n-tiles: xb[nt] + 12 u is the step's three terms (SHARED: in shared memory, else read
 // through __ldg).
 template <int NT, bool SHARED>
-DEV void tc_step_tiles(float (&acc)[NT][3][4], const uint4& w0, const uint4& w1, const uint4* const (&xb)[NT], int u) {
+DEV void tc_step_tiles(float (&acc)[NT][3][4], const uint4& w0, const uint4& w1, const uint4* const (&xb)[NT],
+                       int u) {
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) {
         const uint4* xp = xb[nt] + u * 12;

@@ -5,19 +5,22 @@
 // The BF16 linear's body (linear.cuh `linear_tc_rows_w`) with another weight source (`TcMxfp8Tiles` below): each
 // step's A fragments are decoded from the codes and scales to the weights' BF16 values, exactly, just before the
 // step's MMAs. An MXFP8 value has 4 significant bits and, packed from finite f32 values (runtime/src/mxfp8.rs
-// `pack_exact`), an exponent BF16 holds, so its BF16 value is the value itself. Everything after the fragments (the
+// `pack_exact`), an exponent BF16 holds: its BF16 value is the value itself wherever that is at least 2^-126 (and
+// below, where BF16 keeps fewer bits, it is rounded to nearest even exactly as the BF16 upload of the same value is).
+// Everything after the fragments (the
 // activation's three BF16 terms, the MMAs, the slices of K from `tc_split`, the epilogue, the launch shapes) is the
 // BF16 linear's, so the results are bit-identical to `linear` on the same values (the GPU checks compare them bit for
 // bit) and row invariant as `linear` is.
 //
 // Decode of a pair of codes (`mx_pair`): prmt spreads the two bytes into the two 16-bit halves with each byte's
 // sign copied into the byte above it; shifted left by 4 and masked with 0x87f0 per half, a half is the BF16 with the
-// code's sign in bit 15 and its 4 exponent and 3 mantissa bits in bits 7 .. 13: e4m3(code) * 2^-120 (a normal code's
+// code's sign in bit 15, its 4 exponent bits in bits 7 .. 10 and its 3 mantissa bits in bits 4 .. 6: e4m3(code) *
+// 2^-120 (a normal code's
 // exponent field e gives 2^(e - 127) (1 + m / 8); a subnormal code's m * 2^-9 gives the BF16 subnormal
 // (16 m / 128) * 2^-126 = m * 2^-129). One BF16x2 multiply (`mul.rn.bf16x2`, subnormals kept) by 2^(s - 7) then
 // gives e4m3(code) * 2^(s - 127): a product by a power of two, exact wherever the value is a BF16 value. The factor
-// needs s <= 134 (2^127 is BF16's largest power of two): the runtime keeps a weight with a larger scale
-// (weights of 2^15 and more) as BF16 (runtime/src/mxfp8.rs `KERNEL_MAX_SCALE`). runtime/src/mxfp8.rs `kernel_mirror`
+// needs s <= 134 (2^127 is BF16's largest power of two): the runtime keeps a weight with a larger scale (a group
+// with a value above 448 x 2^7 = 57344) as BF16 (runtime/src/mxfp8.rs `KERNEL_MAX_SCALE`). runtime/src/mxfp8.rs `kernel_mirror`
 // checks the decode on every code in both halves and the scaling at every scale up to 134.
 #include "linear.cuh"
 

@@ -372,6 +372,7 @@ mod tests {
             "linear_split",
             "linear_multi_split",
             "linear_mxfp8_t1",
+            "linear_mxfp8_t1_deep",
             "linear_mxfp8_t16",
             "add_broadcast",
             "hc_read_t1",

@@ -290,11 +290,12 @@ pub fn pack_exact(values: &[f32], rows: usize, cols: usize) -> Result<Mxfp8, Pac
 }
 
 /// The largest scale byte `linear_mxfp8` takes (kernels/mxfp8.cu `mx_factor`: it scales a group by the BF16 2^(s - 7),
-/// and 2^127 is BF16's largest power of two). A weight with a larger scale (values of 2^15 and more) stays BF16 on
-/// the device, which holds MXFP8 values exactly and gives the same results.
+/// and 2^127 is BF16's largest power of two). A weight with a larger scale (a group with a value above
+/// 448 x 2^7 = 57344) stays BF16 on the device, which holds MXFP8 values exactly and gives the same results.
 pub const KERNEL_MAX_SCALE: u8 = 134;
 
-/// Which weights a device backend keeps as MXFP8 codes and scales: the 2-D [`StorageForm::Mxfp8`] entries
+/// Which weights a device backend keeps as MXFP8 codes and scales (the candidates: the CUDA backend's `device_forms`
+/// still uploads one as BF16 when its values cannot be packed or a scale is above [`KERNEL_MAX_SCALE`]): the 2-D [`StorageForm::Mxfp8`] entries
 /// (`#mxfp8` re-coded drafter linears, the `lm_head.weight#mxfp8` drafting copy, stored MXFP8 linears) that only
 /// [`flashplan_plan::Op::Linear`] nodes read, each with a shape `[n, k]` matching every such node
 /// ([`flashplan_plan::WeightUse::Linear`]). One flag per manifest entry.
@@ -695,14 +696,32 @@ mod kernel_mirror {
     use super::*;
     use half::bf16;
 
-    /// `mx_pair`: prmt of bytes j, j + 1 with their signs copied into the bytes above, shifted left by 4, masked.
+    /// PTX `prmt.b32 d, a, b, sel` (default mode): result byte i from nibble i of `sel`, whose low 3 bits pick a byte
+    /// of `b:a` (a's bytes 0-3, b's 4-7) and whose bit 3 replaces the byte by its sign bit copied 8 times.
+    fn prmt(a: u32, b: u32, sel: u32) -> u32 {
+        let bytes = (u64::from(b) << 32) | u64::from(a);
+        (0..4).fold(0u32, |d, i| {
+            let n = (sel >> (4 * i)) & 0xf;
+            let byte = ((bytes >> (8 * (n & 7))) & 0xff) as u32;
+            let byte = match (n & 8 != 0, byte & 0x80 != 0) {
+                (false, _) => byte,
+                (true, true) => 0xff,
+                (true, false) => 0,
+            };
+            d | (byte << (8 * i))
+        })
+    }
+
+    /// `mx_pair` with the kernel's selectors: 0x9180 for bytes 0 and 1 (j = 0), 0xb3a2 for bytes 2 and 3 (j = 2).
     fn mx_pair(w: u32, j: u32) -> [bf16; 2] {
-        let byte = |i: u32| (w >> (8 * i)) & 0xff;
-        let sign = |b: u32| if b & 0x80 != 0 { 0xff } else { 0 };
-        let (b0, b1) = (byte(j), byte(j + 1));
-        let v = b0 | sign(b0) << 8 | b1 << 16 | sign(b1) << 24;
-        let r = (v << 4) & 0x87f0_87f0;
+        let r = (prmt(w, 0, if j == 0 { 0x9180 } else { 0xb3a2 }) << 4) & 0x87f0_87f0;
         [bf16::from_bits(r as u16), bf16::from_bits((r >> 16) as u16)]
+    }
+
+    /// `mx_factor`: 2^(s - 7) as BF16 in both halves.
+    fn mx_factor(s: u32) -> [bf16; 2] {
+        let f = (s + 120) * 0x0080_0080;
+        [bf16::from_bits(f as u16), bf16::from_bits((f >> 16) as u16)]
     }
 
     /// `mul.rn.bf16x2` on one half: the exact product (of at most 8 significant bits each: exact in f32, also as an
@@ -711,9 +730,9 @@ mod kernel_mirror {
         bf16::from_f32(a.to_f32() * b.to_f32())
     }
 
-    /// `mx_factor` then `mx_quad` on one decoded half: by 2^(s - 7) (exponent field s + 120).
-    fn scaled(d: bf16, s: u32) -> bf16 {
-        mul(d, bf16::from_bits(((s + 120) << 7) as u16))
+    /// `mx_quad` on one decoded half (`half` 0 low, 1 high): times its half of `mx_factor(s)`.
+    fn scaled(d: bf16, s: u32, half: usize) -> bf16 {
+        mul(d, mx_factor(s)[half])
     }
 
     #[test]
@@ -746,11 +765,11 @@ mod kernel_mirror {
 
     #[test]
     fn group_scaling_gives_every_weight_its_bf16_bits() {
-        assert_eq!(
-            KERNEL_MAX_SCALE, 134,
-            "2^(134 - 7) is BF16's largest power of two"
-        );
-        for s in 0..=KERNEL_MAX_SCALE as u32 {
+        // The factor of the largest scale the kernel takes is BF16's largest power of two, the next one past the range.
+        let top = KERNEL_MAX_SCALE as u32;
+        assert_eq!(mx_factor(top), [bf16::from_f32(2f32.powi(127)); 2]);
+        assert!(!bf16::from_bits(((top + 1 + 120) << 7) as u16).is_finite());
+        for s in 0..=top {
             for c in 0..=255u32 {
                 let v = e4m3_decode(c as u8);
                 if v.is_nan() {
@@ -761,12 +780,22 @@ mod kernel_mirror {
                 if !cpu.is_finite() {
                     continue; // never packed (`pack_exact` rejects it)
                 }
-                let gpu = scaled(mx_pair(c, 0)[0], s);
-                assert_eq!(
-                    gpu.to_bits(),
+                // The code in each byte, scaled by the factor's half of the same position.
+                let (gpu, want) = (
+                    scaled(mx_pair(c, 0)[0], s, 0),
                     bf16::from_f32(cpu).to_bits(),
-                    "code {c:#04x} scale {s}"
                 );
+                assert_eq!(gpu.to_bits(), want, "code {c:#04x} scale {s}");
+                for (j, half) in [(0u32, 1usize), (2, 0), (2, 1)] {
+                    let w = c << (8 * (j + half as u32));
+                    let other = scaled(mx_pair(w, j)[half], s, half);
+                    assert_eq!(
+                        other.to_bits(),
+                        want,
+                        "code {c:#04x} in byte {} scale {s}",
+                        j + half as u32
+                    );
+                }
                 // Wherever the value is a BF16 value (every weight re-coded from BF16), it is that value.
                 if bf16::from_f32(cpu).to_f32() == cpu {
                     assert_eq!(

@@ -4,7 +4,7 @@
 //!
 //! - Weights: the f32 host weights are converted to BF16 at upload (each weight 256-byte aligned in one
 //!   allocation; the manifest's group offsets are not used yet), except MXFP8 weights read only by `Linear` nodes,
-//!   kept as MXFP8 codes and scales for `linear_mxfp8` (`weights.rs`).
+//!   kept as MXFP8 tiles of codes and scales for `linear_mxfp8` (`weights.rs`).
 //! - Activations (arena, io buffers) are f32 with the plan's layout; per-slot state is f32 for every piece
 //!   (`slot_elems * 4` bytes per slot at the pieces' element offsets; BF16 caches are a later step).
 //! - All memory (weights, arena, io, slots, round descriptor, scratch, side scratch and side arena, RoPE table,
@@ -219,7 +219,7 @@ impl CudaBackend {
         let want = check_plan(&body)?;
         let uses = body.weight_uses();
         weights::check_linear_weights(&body, &uses)?;
-        // Device forms (BF16, or MXFP8 codes and scales: weights.rs) converted here (the GPU thread only copies).
+        // Device forms (BF16, or MXFP8 tiles: weights.rs) converted here (the GPU thread only copies).
         let dev = weights::device_forms(&body, &uses, weights)?;
         Self::start(body, dev, want)
     }
@@ -368,7 +368,8 @@ impl CudaBackend {
         &self.captures
     }
 
-    /// How many weights device memory holds as MXFP8 codes and scales (their `Linear` nodes run `linear_mxfp8`).
+    /// How many weights device memory holds as MXFP8 tiles of codes and scales (their `Linear` nodes run
+    /// `linear_mxfp8`).
     pub fn mxfp8_weights(&self) -> usize {
         self.mxfp8_weights
     }

@@ -309,8 +309,8 @@ pub(crate) fn device_forms(
                     Ok(m) if m.scales.iter().all(|&s| s <= KERNEL_MAX_SCALE) => Some(m),
                     Ok(_) => {
                         tracing::warn!(
-                            "MXFP8 weight {} stays BF16 on the device: a scale above {KERNEL_MAX_SCALE} (values of \
-                             2^15 or more)",
+                            "MXFP8 weight {} stays BF16 on the device: a scale above {KERNEL_MAX_SCALE} (a group \
+                             with a value above 57344)",
                             e.name
                         );
                         None

@@ -61,6 +61,16 @@ const LINEAR_MXFP8: ByRows = &[
     "linear_mxfp8_t16",
 ];
 
+/// The `linear_mxfp8` entry point standing for the BF16 `entry` of a launch of `total` rows: `linear_mxfp8_t1_deep`
+/// for `linear_t1_deep`, else the same row tile.
+pub(super) fn mxfp8_entry(entry: &str, total: u32) -> &'static str {
+    if entry == "linear_t1_deep" {
+        "linear_mxfp8_t1_deep"
+    } else {
+        by_rows(LINEAR_MXFP8, total)
+    }
+}
+
 /// A `Linear` node's parameters, its launch's row count (sub-rows: `total`) and output features per block of
 /// `linear` (kernels/linear.cuh `linear_tc_rows`: a block of 8 warps = 8 / split m-tiles of 16 features, each over
 /// `split` = [`tc_split`] slices of K).
@@ -241,10 +251,10 @@ pub(super) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
         // was slower: 300.8 -> 302.8 us).
         grid = one_wave(grid, LINEAR_T1_BLOCKS_PER_SM, a.sms);
     }
-    let entry = match (a.is_mxfp8(*w), deep) {
-        (false, _) => entry,
-        (true, true) => "linear_mxfp8_t1_deep",
-        (true, false) => by_rows(LINEAR_MXFP8, total),
+    let entry = if a.is_mxfp8(*w) {
+        mxfp8_entry(entry, total)
+    } else {
+        entry
     };
     Ok(with_split(
         "linear_split",

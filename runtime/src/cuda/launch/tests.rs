@@ -649,6 +649,21 @@ fn only_a_one_row_linear_of_many_steps_a_warp_runs_deep() {
     // The GDN projections (10 steps a warp) and the output projections (24) stay at linear_t1.
     assert_eq!(entry(1, 2560, 10_240), "linear_t1");
     assert_eq!(entry(1, 6144, 2560), "linear_t1");
+    // An MXFP8 weight takes the same entry's MXFP8 twin, at every row count: the drafting lm_head copy runs deep.
+    assert_eq!(
+        mxfp8_entry(entry(1, 2560, 248_320), 1),
+        "linear_mxfp8_t1_deep"
+    );
+    for rows in 1..=16 {
+        for (k, n) in [(2560, 248_320), (2560, 10_240), (6144, 2560), (40, 3)] {
+            let bf16 = entry(rows, k, n);
+            assert_eq!(
+                mxfp8_entry(bf16, rows),
+                bf16.replacen("linear_", "linear_mxfp8_", 1),
+                "{rows} rows, [{n}, {k}]"
+            );
+        }
+    }
 }
 
 #[test]
