@@ -20,8 +20,8 @@
 // (16 m / 128) * 2^-126 = m * 2^-129). One BF16x2 multiply (`mul.rn.bf16x2`, subnormals kept) by 2^(s - 7) then
 // gives e4m3(code) * 2^(s - 127): a product by a power of two, exact wherever the value is a BF16 value. The factor
 // needs s <= 134 (2^127 is BF16's largest power of two): the runtime keeps a weight with a larger scale (a group
-// with a value above 448 x 2^7 = 57344) as BF16 (runtime/src/mxfp8.rs `KERNEL_MAX_SCALE`). runtime/src/mxfp8.rs `kernel_mirror`
-// checks the decode on every code in both halves and the scaling at every scale up to 134.
+// with a value above 448 x 2^7 = 57344) as BF16 (runtime/src/mxfp8.rs `KERNEL_MAX_SCALE`). runtime/src/mxfp8.rs
+// `kernel_mirror` checks the decode on every code in both halves and the scaling at every scale up to 134.
 #include "linear.cuh"
 
 typedef unsigned char u8_t;
@@ -55,15 +55,11 @@ DEV void mx_quad(u32 w, u32 f, u32& lo, u32& hi) {
     hi = mul_bf16x2(mx_pair(w, 0xb3a2u), f);
 }
 
-// Bytes of one MXFP8 tile (runtime/src/cuda/weights.rs `tile_mxfp8`, `MX_TILE_BYTES`): 16 features x 32 codes, then
-// their 16 scale bytes.
-#define MX_TILE 528
-
 // The weight source of linear_tc_rows_w for MXFP8 weights in MMA tiles (runtime/src/cuda/weights.rs `tile_mxfp8`):
-// tile (m, step) at byte (m * steps + step) * MX_TILE; lane l's 16 bytes at 16 l are the 8 codes of feature rows g
-// and g + 8 at k = 32 step + 8 q .. + 7 (one 16-byte load: a warp reads each step's 512 code bytes as one run), and
-// the rows' scale bytes of the step are at 512 + 2 g and 512 + 2 g + 1 (a step of 32 codes is one scale group). Tiles
-// are zero-padded past n and k (zero codes), as the BF16 tiles are.
+// tile (m, step) at byte (m * steps + step) * MX_TILE_BYTES (params.h); lane l's 16 bytes at 16 l are the 8 codes of
+// feature rows g and g + 8 at k = 32 step + 8 q .. + 7 (one 16-byte load: a warp reads each step's 512 code bytes as
+// one run), and the rows' scale bytes of the step are at 512 + 2 g and 512 + 2 g + 1 (a step of 32 codes is one scale
+// group). Tiles are zero-padded past n and k (zero codes), as the BF16 tiles are.
 struct TcMxfp8Tiles {
     const u8_t* tp;  // the current step's tile
     u32 g, lane;
@@ -75,14 +71,14 @@ struct TcMxfp8Tiles {
     DEV void seek(const FpLinear& a, u32 steps, u32 lane_, u32 m, u32 s) {
         lane = lane_;
         g = lane_ >> 2;
-        tp = (const u8_t*)a.w + ((u64)m * steps + s) * MX_TILE;
+        tp = (const u8_t*)a.w + ((u64)m * steps + s) * MX_TILE_BYTES;
     }
     template <int N, bool ALL>
     DEV void load(Batch<N>& b, u32 first, u32 end) const {
 #pragma unroll
         for (int u = 0; u < N; u++) {
             const bool in = ALL || first + u < end;
-            const u8_t* t = tp + u * MX_TILE;
+            const u8_t* t = tp + u * MX_TILE_BYTES;
             b.c[u] = in ? ldg_stream16_l2pf(t + lane * 16) : zero4();
             b.s[u] = in ? ldg_u16(t + 512 + 2 * g) : 0u;
         }
@@ -97,7 +93,7 @@ struct TcMxfp8Tiles {
         mx_quad(b.c[u].y, fg, w1.x, w1.z);
         mx_quad(b.c[u].w, fh, w1.y, w1.w);
     }
-    DEV void advance(u32 s) { tp += s * MX_TILE; }
+    DEV void advance(u32 s) { tp += s * MX_TILE_BYTES; }
 };
 
 // linear.cu's linear_entry with the MXFP8 source: the same rows, slices, steps in flight and epilogue.

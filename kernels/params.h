@@ -83,6 +83,10 @@ typedef struct FpRmsNorm {
     u32 pad;
 } FpRmsNorm;
 
+/* Bytes of one MXFP8 weight tile of linear_mxfp8 (runtime/src/cuda/weights.rs `tile_mxfp8`): 16 features x 32 codes,
+ * then their 16 scale bytes. */
+#define MX_TILE_BYTES 528
+
 /* gathered != 0: x holds one row per stream (rows with streams[s].rows > 0). split: slices of K per output group
  * (1, 2, 4 or 8; 0 means 1), see `slice_dots` in common.cuh. linear_mxfp8 (mxfp8.cu) takes the same parameters, w
  * then being the weight's MXFP8 tiles (runtime/src/cuda/weights.rs `tile_mxfp8`). */

@@ -123,8 +123,9 @@ pub(crate) fn tile_linear(w: &[u16], n: usize, k: usize) -> Vec<u16> {
     out
 }
 
-/// Bytes of one MXFP8 tile ([`tile_mxfp8`]): 16 features x 32 codes, then their 16 scale bytes.
-pub(crate) const MX_TILE_BYTES: usize = 528;
+/// Bytes of one MXFP8 tile ([`tile_mxfp8`]): 16 features x 32 codes, then their 16 scale bytes (kernels/params.h
+/// `MX_TILE_BYTES`, which kernels/mxfp8.cu reads).
+pub(crate) const MX_TILE_BYTES: usize = crate::cuda::params::MX_TILE_BYTES;
 
 /// Bytes of an MXFP8 `[n, k]` weight in tiles ([`tile_mxfp8`]): ceil(n / 16) x ceil(k / 32) tiles.
 pub(crate) fn mxfp8_tile_bytes(n: u64, k: u64) -> u64 {
