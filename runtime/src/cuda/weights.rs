@@ -141,8 +141,8 @@ pub(crate) fn mxfp8_tile_bytes(n: u64, k: u64) -> u64 {
 /// (weights 0).
 pub(crate) fn tile_mxfp8(m: &Mxfp8) -> Vec<u8> {
     let (n, k) = (m.rows, m.cols);
-    let steps = k.div_ceil(32);
-    let gpr = crate::mxfp8::groups_per_row(k);
+    // A step of 32 inputs is one scale group: steps = groups per row.
+    let steps = crate::mxfp8::groups_per_row(k);
     let mut out = vec![0u8; mxfp8_tile_bytes(n as u64, k as u64) as usize];
     for (tile, t) in out.chunks_exact_mut(MX_TILE_BYTES).enumerate() {
         let (mt, step) = (tile / steps, tile % steps);
@@ -150,14 +150,11 @@ pub(crate) fn tile_mxfp8(m: &Mxfp8) -> Vec<u8> {
             let row = mt * 16 + r;
             // The lane (g, q) bytes of this row: g = r % 8, the first or second half of each lane's 16 bytes.
             let (g, half) = (r % 8, r / 8);
-            t[512 + 2 * g + half] = if row < n {
-                m.scales[row * gpr + step]
-            } else {
-                127
-            };
             if row >= n {
+                t[512 + 2 * g + half] = 127;
                 continue;
             }
+            t[512 + 2 * g + half] = m.scales[row * steps + step];
             for q in 0..4 {
                 for e in 0..8 {
                     let col = step * 32 + q * 8 + e;
