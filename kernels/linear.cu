@@ -31,46 +31,14 @@ extern "C" __global__ void linear_multi_split(const FpLinearMulti p) {
 }
 
 // linear_multi: up to FP_MAX_LINEARS sibling `linear`s reading the same x, one launch (the runtime fuses consecutive
-// Linear nodes, runtime/src/cuda/fuse.rs). Block b belongs to matrix m where b falls in m's range of the prefix sums
-// of blocks[] (blocks[m] = m's own `linear` grid, or at one or two rows its share of one wave, same row tile T and
-// split S: the runtime only joins linears with the same split); it runs `linear_entry` on m's parameters as block
-// b - start(m) of blocks[m], looping over m's m-tiles. So every output element is computed with exactly the
-// arithmetic of the unfused `linear` launch (same slices, MMA order and slice sum): bit-identical results, and row
-// invariance as `linear`'s.
+// Linear nodes, runtime/src/cuda/fuse.rs): block b runs `linear_entry` on its matrix's parameters (linear.cuh
+// `linear_multi_part`), so every output element is computed with exactly the arithmetic of the unfused `linear`
+// launch: bit-identical results, and row invariance as `linear`'s.
 template <int T>
 DEV void linear_multi_entry(const FpLinearMulti& p) {
-    u32 b = blockIdx.x;
     FpLinear q;
-    q.c = p.c;
-    q.x = p.x;
-    q.k = p.k;
-    q.sub = p.sub;
-    q.gathered = p.gathered;
-    q.split = p.split;
-    q.w = 0;
-    q.out = 0;
-    q.n = 0;
-    q.accumulate = 0;
-    u32 nblocks = 0;
-    bool found = false;
-    // Unrolled with constant indices (no dynamic indexing of the parameter arrays).
-#pragma unroll
-    for (int i = 0; i < FP_MAX_LINEARS; i++) {
-        if (!found && (u32)i < p.count) {
-            if (b < p.blocks[i]) {
-                found = true;
-                q.w = p.w[i];
-                q.out = p.out[i];
-                q.n = p.n[i];
-                q.accumulate = p.accumulate[i];
-                nblocks = p.blocks[i];
-            } else {
-                b -= p.blocks[i];
-            }
-        }
-    }
-    if (!found) return;  // a grid larger than the blocks' sum (not launched so)
-    linear_entry<T>(q, b, nblocks);
+    u32 b, nblocks;
+    if (linear_multi_part(p, q, b, nblocks)) linear_entry<T>(q, b, nblocks);
 }
 extern "C" __global__ void __launch_bounds__(256, 3) linear_multi_t1(const FpLinearMulti p) { pdl_start(); linear_multi_entry<1>(p); }
 extern "C" __global__ void __launch_bounds__(256, 3) linear_multi_t2(const FpLinearMulti p) { pdl_start(); linear_multi_entry<2>(p); }

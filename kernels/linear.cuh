@@ -9,6 +9,44 @@ DEV u32 linear_total(const FpCommon& c, u32 sub, u32 gathered) {
     return (gathered ? c.nstreams : c.nstreams * c.window) * sub;
 }
 
+// The part of a `linear_multi` launch (linear.cu, mxfp8.cu) that this block runs: block b belongs to matrix m where b
+// falls in m's range of the prefix sums of blocks[] (blocks[m] = m's own `linear` grid, or at one or two rows its
+// share of one wave, with the same row tile and split of K: the runtime only joins linears with the same split).
+// Sets q to m's parameters as one `linear` launch, b to the block's index within m's blocks and nblocks to
+// blocks[m]; false for a block past the blocks' sum (not launched so).
+DEV bool linear_multi_part(const FpLinearMulti& p, FpLinear& q, u32& b, u32& nblocks) {
+    b = blockIdx.x;
+    q.c = p.c;
+    q.x = p.x;
+    q.k = p.k;
+    q.sub = p.sub;
+    q.gathered = p.gathered;
+    q.split = p.split;
+    q.w = 0;
+    q.out = 0;
+    q.n = 0;
+    q.accumulate = 0;
+    nblocks = 0;
+    bool found = false;
+    // Unrolled with constant indices (no dynamic indexing of the parameter arrays).
+#pragma unroll
+    for (int i = 0; i < FP_MAX_LINEARS; i++) {
+        if (!found && (u32)i < p.count) {
+            if (b < p.blocks[i]) {
+                found = true;
+                q.w = p.w[i];
+                q.out = p.out[i];
+                q.n = p.n[i];
+                q.accumulate = p.accumulate[i];
+                nblocks = p.blocks[i];
+            } else {
+                b -= p.blocks[i];
+            }
+        }
+    }
+    return found;
+}
+
 // ---- Tensor-core body of the linears (linear.cu's linear and linear_multi, mxfp8.cu's linear_mxfp8) ----
 // out[i, n] (+)= sum_k x[i, k] * w[n, k] with mma.sync m16n8k16 (BF16 x BF16 -> f32). The f32 activation is split
 // exactly into three BF16 terms x = hi + mid + lo (`split3`: truncations of the f32 bits; every remainder is exact

@@ -98,15 +98,30 @@ struct TcMxfp8Tiles {
 
 // linear.cu's linear_entry with the MXFP8 source: the same rows, slices, steps in flight and epilogue.
 template <int T, int U = 4>
-DEV void linear_mxfp8_entry(const FpLinear& p) {
-    linear_tc_rows_w<T, U>(p, linear_total(p.c, p.sub, p.gathered), blockIdx.x, gridDim.x, (const uint4*)p.c.scratch,
+DEV void linear_mxfp8_entry(const FpLinear& p, u32 block, u32 nblocks) {
+    linear_tc_rows_w<T, U>(p, linear_total(p.c, p.sub, p.gathered), block, nblocks, (const uint4*)p.c.scratch,
                            LinearStore{}, TcMxfp8Tiles{});
 }
 // One entry point per row tile, with linear.cu's launch bounds and steps in flight; t1_deep where linear_t1_deep
 // would run (runtime/src/cuda/launch/linear.rs `linear_entry`).
-extern "C" __global__ void __launch_bounds__(256, 3) linear_mxfp8_t1(const FpLinear p) { pdl_start(); linear_mxfp8_entry<1>(p); }
-extern "C" __global__ void __launch_bounds__(256, 2) linear_mxfp8_t1_deep(const FpLinear p) { pdl_start(); linear_mxfp8_entry<1, 8>(p); }
-extern "C" __global__ void __launch_bounds__(256, 3) linear_mxfp8_t2(const FpLinear p) { pdl_start(); linear_mxfp8_entry<2>(p); }
-extern "C" __global__ void linear_mxfp8_t4(const FpLinear p) { pdl_start(); linear_mxfp8_entry<4>(p); }
-extern "C" __global__ void linear_mxfp8_t8(const FpLinear p) { pdl_start(); linear_mxfp8_entry<8>(p); }
-extern "C" __global__ void linear_mxfp8_t16(const FpLinear p) { pdl_start(); linear_mxfp8_entry<16>(p); }
+extern "C" __global__ void __launch_bounds__(256, 3) linear_mxfp8_t1(const FpLinear p) { pdl_start(); linear_mxfp8_entry<1>(p, blockIdx.x, gridDim.x); }
+extern "C" __global__ void __launch_bounds__(256, 2) linear_mxfp8_t1_deep(const FpLinear p) { pdl_start(); linear_mxfp8_entry<1, 8>(p, blockIdx.x, gridDim.x); }
+extern "C" __global__ void __launch_bounds__(256, 3) linear_mxfp8_t2(const FpLinear p) { pdl_start(); linear_mxfp8_entry<2>(p, blockIdx.x, gridDim.x); }
+extern "C" __global__ void linear_mxfp8_t4(const FpLinear p) { pdl_start(); linear_mxfp8_entry<4>(p, blockIdx.x, gridDim.x); }
+extern "C" __global__ void linear_mxfp8_t8(const FpLinear p) { pdl_start(); linear_mxfp8_entry<8>(p, blockIdx.x, gridDim.x); }
+extern "C" __global__ void linear_mxfp8_t16(const FpLinear p) { pdl_start(); linear_mxfp8_entry<16>(p, blockIdx.x, gridDim.x); }
+
+// linear_multi_mxfp8: linear.cu's linear_multi over MXFP8 weights (a run of sibling linears all held as MXFP8:
+// runtime/src/cuda/fuse.rs), each block running linear_mxfp8's body on its matrix (linear.cuh `linear_multi_part`):
+// bit-identical to the unfused linear_mxfp8 launches, and so to `linear` on the same values.
+template <int T, int U = 4>
+DEV void linear_multi_mxfp8_entry(const FpLinearMulti& p) {
+    FpLinear q;
+    u32 b, nblocks;
+    if (linear_multi_part(p, q, b, nblocks)) linear_mxfp8_entry<T, U>(q, b, nblocks);
+}
+extern "C" __global__ void __launch_bounds__(256, 3) linear_multi_mxfp8_t1(const FpLinearMulti p) { pdl_start(); linear_multi_mxfp8_entry<1>(p); }
+extern "C" __global__ void __launch_bounds__(256, 3) linear_multi_mxfp8_t2(const FpLinearMulti p) { pdl_start(); linear_multi_mxfp8_entry<2>(p); }
+extern "C" __global__ void linear_multi_mxfp8_t4(const FpLinearMulti p) { pdl_start(); linear_multi_mxfp8_entry<4>(p); }
+extern "C" __global__ void linear_multi_mxfp8_t8(const FpLinearMulti p) { pdl_start(); linear_multi_mxfp8_entry<8>(p); }
+extern "C" __global__ void linear_multi_mxfp8_t16(const FpLinearMulti p) { pdl_start(); linear_multi_mxfp8_entry<16>(p); }

@@ -374,6 +374,8 @@ mod tests {
             "linear_mxfp8_t1",
             "linear_mxfp8_t1_deep",
             "linear_mxfp8_t16",
+            "linear_multi_mxfp8_t1",
+            "linear_multi_mxfp8_t16",
             "add_broadcast",
             "hc_read_t1",
             "hc_read_t4",

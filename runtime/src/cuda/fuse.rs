@@ -1,12 +1,14 @@
 //! Launch-time fusion of sibling linears: a run of consecutive `Linear` nodes reading the same input (a GDN layer's
 //! qkv, z, b and a projections; an attention layer's q, k, v and indexer qk) becomes one `linear_multi` launch
-//! (`kernels/linear.cu`) instead of one `linear` launch each. The small projections (n = 48) are pure launch
+//! (`kernels/linear.cu`; `linear_multi_mxfp8` in `kernels/mxfp8.cu` for MXFP8 weights) instead of one `linear` launch
+//! each. The small projections (n = 48) are pure launch
 //! latency; fused they ride along with the large one. Each output element keeps the arithmetic of its own `linear`
 //! launch (same row tile, split of K, slices and sums), so fused and unfused results are bit-identical.
 //!
 //! Grouping (`launch_groups`): starting at a node, a run grows over the following nodes while each is a `Linear`
 //! node
-//! - with a BF16 weight (MXFP8 weights keep their own `linear_mxfp8` launch),
+//! - whose weight is held in the same form as the first node's (BF16 tiles, or MXFP8 tiles: the drafter's re-coded
+//!   linears, `FLASHPLAN_MTP_WEIGHTS`),
 //! - reading the same x buffer with the same k and sub (hence the same gathered-ness and row tile) and the same split
 //!   of K (`launch::tc_split`, which also looks at n),
 //! - whose output overlaps neither x nor the output of any earlier node of the run (checked on the plan's buffer
@@ -36,7 +38,7 @@ fn overlap(v: &Variant, a: BufId, b: BufId) -> bool {
     da.space == db.space && da.offset < db.offset + db.elems && db.offset < da.offset + da.elems
 }
 
-/// The fields of a BF16 `Linear` node that decide grouping.
+/// The fields of a `Linear` node that decide grouping.
 #[derive(Clone, Copy)]
 struct Lin {
     x: BufId,
@@ -46,9 +48,11 @@ struct Lin {
     gathered: bool,
     /// Slices of K (`launch::tc_split`, from the weight's shape).
     split: u32,
+    /// Whether the weight is held as MXFP8 on the device.
+    mxfp8: bool,
 }
 
-fn bf16_linear(v: &Variant, op: &Op, mxfp8: &impl Fn(WeightId) -> bool) -> Option<Lin> {
+fn linear_fields(v: &Variant, op: &Op, mxfp8: &impl Fn(WeightId) -> bool) -> Option<Lin> {
     match op {
         Op::Linear {
             x,
@@ -58,20 +62,21 @@ fn bf16_linear(v: &Variant, op: &Op, mxfp8: &impl Fn(WeightId) -> bool) -> Optio
             n,
             sub,
             ..
-        } if !mxfp8(*w) => Some(Lin {
+        } => Some(Lin {
             x: *x,
             out: *out,
             k: *k,
             sub: *sub,
             gathered: linear_gathered(v, *x, *k, *sub),
             split: super::launch::tc_split(*k, *n),
+            mxfp8: mxfp8(*w),
         }),
         _ => None,
     }
 }
 
 /// The variant's launches as node ranges, in node order, covering every node exactly once: a range of two or more
-/// nodes is a run of sibling BF16 linears launched as one `linear_multi` (see the module documentation for the
+/// nodes is a run of sibling linears launched as one `linear_multi` (or `linear_multi_mxfp8`) (see the module documentation for the
 /// rule), a range of one node is that node's own launch. `mxfp8(w)`: whether weight `w` is held as MXFP8 on the
 /// device.
 pub(crate) fn launch_groups(v: &Variant, mxfp8: impl Fn(WeightId) -> bool) -> Vec<Range<usize>> {
@@ -79,11 +84,11 @@ pub(crate) fn launch_groups(v: &Variant, mxfp8: impl Fn(WeightId) -> bool) -> Ve
     let mut i = 0;
     while i < v.nodes.len() {
         let mut j = i + 1;
-        if let Some(first) = bf16_linear(v, &v.nodes[i].op, &mxfp8) {
+        if let Some(first) = linear_fields(v, &v.nodes[i].op, &mxfp8) {
             if !overlap(v, first.out, first.x) {
                 let mut outs = vec![first.out];
                 while j < v.nodes.len() && j - i < MAX_LINEARS {
-                    let Some(l) = bf16_linear(v, &v.nodes[j].op, &mxfp8) else {
+                    let Some(l) = linear_fields(v, &v.nodes[j].op, &mxfp8) else {
                         break;
                     };
                     let joins = l.x == first.x
@@ -91,6 +96,7 @@ pub(crate) fn launch_groups(v: &Variant, mxfp8: impl Fn(WeightId) -> bool) -> Ve
                         && l.sub == first.sub
                         && l.gathered == first.gathered
                         && l.split == first.split
+                        && l.mxfp8 == first.mxfp8
                         && !overlap(v, l.out, first.x)
                         && outs.iter().all(|&o| !overlap(v, l.out, o));
                     if !joins {
@@ -264,10 +270,17 @@ pub(super) mod tests {
         };
         assert_eq!(lens_from(&launch_groups(v0, no_mxfp8), g0, 1), vec![4]);
 
-        // An MXFP8 weight (z) keeps its own launch.
+        // A weight held in the other form breaks the run: z alone as MXFP8 gets its own launch.
         let wz = w_of(v0, g0 + 1);
         let g = launch_groups(v0, |w| w == wz);
         assert_eq!(lens_from(&g, g0, 3), vec![1, 1, 2]);
+        // Siblings all held as MXFP8 are one run (`linear_multi_mxfp8`), as all BF16 are.
+        let mx: Vec<WeightId> = (g0..g0 + 4).map(|i| w_of(v0, i)).collect();
+        let g = launch_groups(v0, |w| mx.contains(&w));
+        assert_eq!(lens_from(&g, g0, 1), vec![4]);
+        // qkv and z as MXFP8, b and a as BF16: two runs of two.
+        let g = launch_groups(v0, |w| mx[..2].contains(&w));
+        assert_eq!(lens_from(&g, g0, 2), vec![2, 2]);
 
         // A different x (z reads another buffer).
         let mut v = v0.clone();

@@ -71,6 +71,15 @@ pub(super) fn mxfp8_entry(entry: &str, total: u32) -> &'static str {
     }
 }
 
+/// `linear_multi_mxfp8` entry points per row tile (kernels/mxfp8.cu: `linear_multi` over MXFP8 weights).
+const LINEAR_MULTI_MXFP8: ByRows = &[
+    "linear_multi_mxfp8_t1",
+    "linear_multi_mxfp8_t2",
+    "linear_multi_mxfp8_t4",
+    "linear_multi_mxfp8_t8",
+    "linear_multi_mxfp8_t16",
+];
+
 /// A `Linear` node's parameters, its launch's row count (sub-rows: `total`) and output features per block of
 /// `linear` (kernels/linear.cuh `linear_tc_rows`: a block of 8 warps = 8 / split m-tiles of 16 features, each over
 /// `split` = [`tc_split`] slices of K).
@@ -161,11 +170,12 @@ const LINEAR_MULTI: ByRows = &[
     "linear_multi_t16",
 ];
 
-/// One `linear_multi` launch for a run of sibling BF16 `Linear` nodes (`fuse::launch_groups`: same x, k and sub,
-/// outputs apart from x and from each other, at most `FP_MAX_LINEARS`). Matrix m gets `blocks[m]` = the grid of its
-/// own `linear` launch (at one or two rows a proportional share of one wave: [`one_wave_shares`]); its blocks loop
-/// over its m-tiles, and the row tile and split of K are those of every node of the run, so each output is
-/// bit-identical to the unfused launch.
+/// One `linear_multi` launch for a run of sibling `Linear` nodes (`fuse::launch_groups`: same x, k and sub, weights
+/// in the same form, outputs apart from x and from each other, at most `FP_MAX_LINEARS`), or `linear_multi_mxfp8`
+/// where the weights are held as MXFP8. Matrix m gets `blocks[m]` = the grid of its own `linear` launch (at one or
+/// two rows a proportional share of one wave: [`one_wave_shares`]); its blocks loop over its m-tiles, and the row
+/// tile and split of K are those of every node of the run, so each output is bit-identical to the unfused launch.
+/// Errors: no linears or more than `FP_MAX_LINEARS`, or linears that differ in x, k, split, rows or weight form.
 pub(super) fn linear_multi(
     a: &Addrs,
     v: &Variant,
@@ -181,15 +191,27 @@ pub(super) fn linear_multi(
         count: ops.len() as u32,
         ..Default::default()
     };
-    let (mut total, mut grid) = (0, 0);
+    let (mut total, mut grid, mut mxfp8) = (0, 0, false);
     for (i, op) in ops.iter().enumerate() {
         let (p, t, per_block) = linear_params(a, v, op)?;
-        if i > 0 && (p.x != m.x || p.k != m.k || p.sub != m.sub || p.split != m.split || t != total)
+        let Op::Linear { w, .. } = op else {
+            return Err(wrong_op("linear", op));
+        };
+        let mx = a.is_mxfp8(*w);
+        if i > 0
+            && (p.x != m.x
+                || p.k != m.k
+                || p.sub != m.sub
+                || p.split != m.split
+                || t != total
+                || mx != mxfp8)
         {
             return Err(BackendError::Device(
-                "linear_multi: the linears of a run differ in x, k, split of K or rows".into(),
+                "linear_multi: the linears of a run differ in x, k, split of K, rows or weight form (BF16 or MXFP8)"
+                    .into(),
             ));
         }
+        mxfp8 = mx;
         (m.c, m.x, m.k, m.sub, m.gathered, m.split) = (p.c, p.x, p.k, p.sub, p.gathered, p.split);
         m.w[i] = p.w;
         m.out[i] = p.out;
@@ -208,9 +230,17 @@ pub(super) fn linear_multi(
             one_wave(grid, LINEAR_T1_BLOCKS_PER_SM, a.sms),
         );
     }
+    let entry = by_rows(
+        if mxfp8 {
+            LINEAR_MULTI_MXFP8
+        } else {
+            LINEAR_MULTI
+        },
+        total,
+    );
     Ok(with_split(
         "linear_multi_split",
-        by_rows(LINEAR_MULTI, total),
+        entry,
         bytes(&m),
         total,
         m.k,

@@ -498,40 +498,63 @@ fn hc_norm_moves_into_the_write_before_a_read_of_the_same_h() {
 
 #[test]
 fn mxfp8_linears_take_the_bf16_linear_launches() {
-    // Every weight held as MXFP8 against none, linears unfused (MXFP8 weights are never fused): the same kernels but
-    // `linear_mxfp8_*` for `linear_*`, the same grids, row splits and parameters.
+    // Every weight held as MXFP8 against none, linears unfused and fused: the same launches with `linear_mxfp8_*`
+    // for `linear_*` and `linear_multi_mxfp8_*` for `linear_multi_*` (a run of siblings all held as MXFP8 is fused as
+    // a BF16 run is), the same grids, row splits and parameters.
     let plan = crate::cuda::fuse::tests::tiny_plan();
-    let bf = specs_with(&plan, true, SIDE_SCRATCH, 132, false, false);
-    let mx = specs_with(&plan, true, SIDE_SCRATCH, 132, false, true);
-    let name = |k: &str| k.replacen("linear_", "linear_mxfp8_", 1);
-    let mut seen = [false; 2];
-    for ((v, b), (_, m)) in bf.iter().zip(&mx) {
-        for ((node, b), m) in v.nodes.iter().zip(b).zip(m) {
-            let (Op::Linear { .. }, Some(b), Some(m)) = (&node.op, b, m) else {
-                continue;
-            };
-            let what = format!("{} {:?}", v.kind.name(), node.op);
-            assert_eq!(m.grid, b.grid, "{what}");
-            assert_eq!(m.block, b.block, "{what}");
-            if b.then.is_empty() {
-                seen[0] = true;
-                assert!(b.kernel.starts_with("linear_t"), "{what}: {}", b.kernel);
-                assert_eq!(m.kernel, name(b.kernel), "{what}");
-            } else {
-                seen[1] = true;
-                assert_eq!(
-                    (m.kernel, b.kernel),
-                    ("linear_split", "linear_split"),
-                    "{what}"
+    let name = |k: &str| {
+        k.replacen("linear_multi_", "linear_multi_mxfp8_", 1)
+            .replacen("linear_t", "linear_mxfp8_t", 1)
+    };
+    // Seen: one-row launches, launches after a row split, fused runs.
+    let mut seen = [false; 3];
+    for fuse_linears in [false, true] {
+        let bf = specs_with(&plan, true, SIDE_SCRATCH, 132, fuse_linears, false);
+        let mx = specs_with(&plan, true, SIDE_SCRATCH, 132, fuse_linears, true);
+        for ((v, b), (_, m)) in bf.iter().zip(&mx) {
+            assert_eq!(b.len(), m.len());
+            for ((node, b), m) in v.nodes.iter().zip(b).zip(m) {
+                let Op::Linear { .. } = &node.op else {
+                    continue;
+                };
+                let what = format!("{} {:?}", v.kind.name(), node.op);
+                let (Some(b), Some(m)) = (b, m) else {
+                    // The later nodes of a fused run: fused in both forms.
+                    assert_eq!(b.is_none(), m.is_none(), "{what}");
+                    continue;
+                };
+                assert_eq!(m.grid, b.grid, "{what}");
+                assert_eq!(m.block, b.block, "{what}");
+                let (bk, mk) = if b.then.is_empty() {
+                    seen[0] = true;
+                    (b.kernel, m.kernel)
+                } else {
+                    seen[1] = true;
+                    assert!(
+                        matches!(b.kernel, "linear_split" | "linear_multi_split"),
+                        "{what}: {}",
+                        b.kernel
+                    );
+                    assert_eq!(m.kernel, b.kernel, "{what}");
+                    assert_eq!((m.then.len(), b.then.len()), (1, 1), "{what}");
+                    assert_eq!(m.then[0].1, b.then[0].1, "{what}");
+                    (b.then[0].0, m.then[0].0)
+                };
+                assert!(
+                    bk.starts_with("linear_t") || bk.starts_with("linear_multi_t"),
+                    "{what}: {bk}"
                 );
-                assert_eq!(m.then.len(), 1, "{what}");
-                assert_eq!(m.then[0].0, name(b.then[0].0), "{what}");
-                assert_eq!(m.then[0].1, b.then[0].1, "{what}");
+                seen[2] |= bk.starts_with("linear_multi_t");
+                assert_eq!(mk, name(bk), "{what}");
+                assert_eq!(m.params, b.params, "{what}");
             }
-            assert_eq!(m.params, b.params, "{what}");
         }
     }
-    assert_eq!(seen, [true, true], "one-row and split launches");
+    assert_eq!(
+        seen,
+        [true, true, true],
+        "one-row, split and fused launches"
+    );
 }
 
 #[test]
