@@ -701,12 +701,20 @@ impl<'a> Builder<'a> {
             hc: cfg.hc_count,
         });
         let streams = self.streams;
-        let last = self.arena_exact("mtp.last_streams".into(), streams * hcw as u64);
-        self.push(Op::LastRows {
-            x,
-            out: last,
-            width: hcw,
-        });
+        // Each stream's last row for the final mixer; with one row per stream (a chain step, a window of one) that
+        // row is x itself, so the mixer reads x and no copy runs (and the runtime may then fuse the norm of that
+        // read into the write before it).
+        let last = if rows == streams {
+            x
+        } else {
+            let last = self.arena_exact("mtp.last_streams".into(), streams * hcw as u64);
+            self.push(Op::LastRows {
+                x,
+                out: last,
+                width: hcw,
+            });
+            last
+        };
         // The final mixer and the head run on one row per stream.
         let saved = self.rows;
         self.rows = streams;

@@ -454,3 +454,51 @@ fn bad_options_are_refused() {
         assert!(err.to_string().contains(name), "{err}");
     }
 }
+
+#[test]
+fn mtp_steps_of_one_row_a_stream_read_the_mixer_from_the_streams() {
+    // The final mixer reads each stream's last row. With one row a stream (every chain step, and absorbs of a window
+    // of one) that row is the MTP streams themselves: no LastRows copy, and the mixer's read follows the MLP's write
+    // on the same buffer (which the CUDA backend then fuses, `hc_write_norm`). Wider absorbs keep the copy.
+    let set = build(&tiny(), 4096);
+    let (mut narrow, mut wide) = (0, 0);
+    for v in &set.body.variants {
+        let (VariantKind::MtpChain { .. } | VariantKind::MtpAbsorb { .. }) = v.kind else {
+            continue;
+        };
+        let copies = v
+            .nodes
+            .iter()
+            .filter(|n| matches!(n.op, Op::LastRows { .. }))
+            .count();
+        let reads: Vec<usize> = (0..v.nodes.len())
+            .filter(|&i| matches!(v.nodes[i].op, Op::HcRead { .. }))
+            .collect();
+        let mixer = *reads.last().expect("the final mixer's read");
+        let Op::HcRead { h, .. } = v.nodes[mixer].op else {
+            unreachable!()
+        };
+        let (streams, window) = v.kind.shape();
+        if window == 1 {
+            narrow += 1;
+            assert_eq!(copies, 0, "{:?}", v.kind);
+            let Op::HcWrite { h: written, .. } = v.nodes[mixer - 1].op else {
+                panic!("{:?}: the mixer's read does not follow a write", v.kind);
+            };
+            assert_eq!(h, written, "{:?}", v.kind);
+        } else {
+            wide += 1;
+            assert_eq!(copies, 1, "{:?}", v.kind);
+            assert_eq!(
+                v.buf(h).elems,
+                streams as u64 * set.body.config.hc_width() as u64,
+                "{:?}: the mixer reads one row a stream",
+                v.kind
+            );
+        }
+    }
+    assert!(
+        narrow > 0 && wide > 0,
+        "{narrow} narrow, {wide} wide MTP steps"
+    );
+}
