@@ -3,23 +3,34 @@
 #include "common.cuh"
 #include "linear.cuh"
 
+// Where rms_norm_t reads a row's values: x [R, dim] f32 (rms_norm); the BF16 row of the row's token in the
+// embedding table at x (rms_norm_embed: `embed` and the norm of its output in one launch); the f32 row src_row(s) + j
+// of the io buffer at x (rms_norm_gather: `gather_rows` and the norm of its output). The values are those embed or
+// gather_rows would have written, so the result is the same bits as the copy then rms_norm
+// (runtime/src/cuda/launch/rows.rs `fuse_row_norms`).
+#define RMS_ROWS 0
+#define RMS_EMBED 1
+#define RMS_GATHER 2
+
 // Zero-centred RMSNorm in groups of `group`: y = x * (1 / sqrt(mean(x^2) + eps)) * (1 + w). out may alias x.
-extern "C" __global__ void rms_norm(const FpRmsNorm p) {
-    pdl_start();
+template <int SRC>
+DEV void rms_norm_t(const FpRmsNorm& p) {
     __shared__ float sh[32];
     const FpCommon& c = p.c;
     const u32 R = c.nstreams * c.window;
     for (u32 r = blockIdx.x; r < R; r += gridDim.x) {
         u32 s, j;
         if (!real_row(c, r, s, j)) continue;
-        const float* x = fptr(p.x) + (u64)r * p.dim;
+        const float* x = fptr(p.x) + (SRC == RMS_GATHER ? (u64)stream_of(c, s).src_row + j : (u64)r) * p.dim;
+        const u64 tok = SRC == RMS_EMBED ? token_of(c, r) : 0;
+        const auto xi = [&](u32 i) { return SRC == RMS_EMBED ? bfw(p.x, tok * p.dim + i) : x[i]; };
         float* y = fptr(p.out) + (u64)r * p.dim;
         for (u32 g0 = 0; g0 < p.dim; g0 += p.group) {
             float ss = 0.0f;
             for (u32 i0 = threadIdx.x; i0 < p.group; i0 += blockDim.x * ROW_U) {
                 // ROW_U loads in flight, then the squares added in the same order as one element at a time.
                 float v[ROW_U];
-                load_strided(v, i0, blockDim.x, p.group, 0.0f, [&](u32 i) { return x[g0 + i]; });
+                load_strided(v, i0, blockDim.x, p.group, 0.0f, [&](u32 i) { return xi(g0 + i); });
 #pragma unroll
                 for (int u = 0; u < ROW_U; u++)
                     if (i0 + blockDim.x * u < p.group) ss += v[u] * v[u];
@@ -29,11 +40,14 @@ extern "C" __global__ void rms_norm(const FpRmsNorm p) {
             // ROW_U values a thread loaded before it stores any (out may alias x: a plain loop would wait for
             // each load after the previous store); the same product per element.
             block_store_row(y + g0, p.group, 1, 0,
-                            [&](u32 i) { return x[g0 + i] * inv * (p.w ? 1.0f + bfw(p.w, g0 + i) : 1.0f); });
+                            [&](u32 i) { return xi(g0 + i) * inv * (p.w ? 1.0f + bfw(p.w, g0 + i) : 1.0f); });
             __syncthreads();
         }
     }
 }
+extern "C" __global__ void rms_norm(const FpRmsNorm p) { pdl_start(); rms_norm_t<RMS_ROWS>(p); }
+extern "C" __global__ void rms_norm_embed(const FpRmsNorm p) { pdl_start(); rms_norm_t<RMS_EMBED>(p); }
+extern "C" __global__ void rms_norm_gather(const FpRmsNorm p) { pdl_start(); rms_norm_t<RMS_GATHER>(p); }
 
 // Per head of dim: y = w * (x * (1 / sqrt(mean(x^2) + eps))) * act(z); one warp per (row, head), grid-stride.
 // Head widths up to 32 * GN_PER take gated_norm's register path. There the gate z, the weights and the row's
@@ -187,6 +201,46 @@ extern "C" __global__ void hc_write_norm(const FpHcWrite p) {
         __syncthreads();
     }
     pdl_start_once(waited);
+}
+
+// add_broadcast (rows.cu) fused with the hc_norm of the hc_read that follows it on `out` (`FLASHPLAN_FUSE_SMALL`,
+// runtime/src/cuda/launch/hc.rs `fuse_hc_norm`: the MTP step's streams before its attention read): block per (row,
+// hyper-connection group) of 256 threads, groups of b_width <= HCN_PER * 256. out[r, cc*D + d] = a[r, cc*D + d] +
+// b[r, d], then Hn of the group into scratch (hc_norm_group on the same values): the same bits as add_broadcast
+// followed by hc_norm. Every load (a, b and the norm weights) is issued before the first store to out.
+extern "C" __global__ void add_broadcast_norm(const FpAddBroadcast p) {
+    pdl_start();
+    __shared__ float sh[32];
+    const FpCommon& c = p.c;
+    const u32 R = c.nstreams * c.window, D = p.b_width, hc = p.width / p.b_width;
+    float* hn = fptr(c.scratch);
+    for (u32 blk = blockIdx.x; blk < R * hc; blk += gridDim.x) {
+        const u32 r = blk / hc, cc = blk % hc;
+        u32 s, j;
+        if (!real_row(c, r, s, j)) continue;
+        const u64 at = (u64)r * p.width + (u64)cc * D;
+        const float *a = fptr(p.a) + at, *b = fptr(p.b) + (u64)r * D;
+        float av[HCN_PER], bv[HCN_PER], nv[HCN_PER], xv[HCN_PER];
+#pragma unroll
+        for (int u = 0; u < HCN_PER; u++) {
+            const u32 i = threadIdx.x + blockDim.x * u;
+            av[u] = i < D ? a[i] : 0.0f;
+            bv[u] = i < D ? b[i] : 0.0f;
+        }
+        hc_norm_weights(p.norm, cc, D, nv);
+        float* out = fptr(p.out) + at;
+#pragma unroll
+        for (int u = 0; u < HCN_PER; u++) {
+            const u32 i = threadIdx.x + blockDim.x * u;
+            xv[u] = 0.0f;
+            if (i < D) {
+                xv[u] = av[u] + bv[u];
+                out[i] = xv[u];
+            }
+        }
+        hc_norm_group(xv, nv, D, p.eps, sh, hn + at);
+        __syncthreads();
+    }
 }
 
 extern "C" __global__ void hc_norm(const FpHcRead p) {

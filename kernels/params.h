@@ -123,6 +123,8 @@ typedef struct FpLinearMulti {
     u32 pad;
 } FpLinearMulti;
 
+/* add_broadcast: out = a + b broadcast over the width / b_width groups of a row. add_broadcast_norm also writes the
+   hc_norm of each group (the hc_read that follows, norm weights at `norm` and its eps) into the scratch. */
 typedef struct FpAddBroadcast {
     FpCommon c;
     u64 a;
@@ -130,6 +132,9 @@ typedef struct FpAddBroadcast {
     u64 out;
     u32 width;
     u32 b_width;
+    u64 norm;
+    float eps;
+    u32 pad;
 } FpAddBroadcast;
 
 /* inject = 0: no inject weights (inj is then unused). */

@@ -605,12 +605,6 @@ impl<'a> Builder<'a> {
         let hcw = cfg.hc_width();
         let rows = self.rows;
         let src_buf = self.io(src, rows * hcw as u64);
-        let r_in = self.arena("mtp.input_streams".into(), hcw as u64);
-        self.push(Op::GatherRows {
-            src: src_buf,
-            out: r_in,
-            width: hcw,
-        });
         let e = self.arena("mtp.embedding".into(), d as u64);
         self.push(Op::Embed {
             tokens: TokenSrc::Desc,
@@ -630,6 +624,13 @@ impl<'a> Builder<'a> {
         let e2 = self.arena("mtp.fc_embedding".into(), d as u64);
         let w = self.wf("mtp.fc_embedding.weight", form)?;
         self.linear(e, w, e2, d, d);
+        // The input streams gathered just before their norm (the CUDA backend runs the pair as one launch).
+        let r_in = self.arena("mtp.input_streams".into(), hcw as u64);
+        self.push(Op::GatherRows {
+            src: src_buf,
+            out: r_in,
+            width: hcw,
+        });
         let hn = self.arena("mtp.hidden_normed".into(), hcw as u64);
         self.push(Op::RmsNorm {
             x: r_in,

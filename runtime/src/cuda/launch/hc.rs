@@ -236,7 +236,8 @@ pub(super) fn hc_write_spec(
 /// `FLASHPLAN_FUSE_SMALL`: an `HcWrite` followed by the `HcRead` of the same `h` (same width, every row, groups of
 /// at most `HC_NORM_MOST_DIM`) becomes `hc_write_norm` + the read without its `hc_norm` launch: one launch fewer,
 /// the same bits (kernels/norm.cu `hc_norm_group` in both). Every layer's MoE read and the next layer's mixer read
-/// follow a write; the first layer's and the PLE layer's do not.
+/// follow a write; the first layer's and the PLE layer's do not. Likewise an `AddBroadcast` whose output the read
+/// takes (groups of its `b_width`) becomes `add_broadcast_norm` (the MTP step's streams before its attention read).
 pub(super) fn fuse_hc_norm(
     a: &Addrs,
     v: &Variant,
@@ -244,31 +245,40 @@ pub(super) fn fuse_hc_norm(
 ) -> Result<(), BackendError> {
     for i in 0..v.nodes.len().saturating_sub(1) {
         let (w, r) = (&v.nodes[i].op, &v.nodes[i + 1].op);
-        let (
-            Op::HcWrite { h, dim, hc, .. },
-            Op::HcRead {
-                h: h2,
-                dim: d2,
-                hc: c2,
-                norm,
-                eps,
-                ..
-            },
-        ) = (w, r)
+        let Op::HcRead {
+            h: h2,
+            dim: d2,
+            hc: c2,
+            norm,
+            eps,
+            ..
+        } = r
         else {
             continue;
         };
-        if h != h2
-            || dim != d2
-            || hc != c2
-            || *dim > HC_NORM_MOST_DIM
+        if *d2 > HC_NORM_MOST_DIM
             || hc_read_gathered(v, r)
             || out[i].is_none()
             || out[i + 1].is_none()
         {
             continue;
         }
-        out[i] = Some(hc_write_spec(a, v, w, Some((a.w(*norm)?, *eps)))?);
+        let norm = Some((a.w(*norm)?, *eps));
+        let fused = match w {
+            Op::HcWrite { h, dim, hc, .. } if h == h2 && dim == d2 && hc == c2 => {
+                hc_write_spec(a, v, w, norm)?
+            }
+            Op::AddBroadcast {
+                out: o,
+                width,
+                b_width,
+                ..
+            } if o == h2 && b_width == d2 && d2.checked_mul(*c2) == Some(*width) => {
+                super::rows::add_broadcast_spec(a, v, w, norm)?
+            }
+            _ => continue,
+        };
+        out[i] = Some(fused);
         out[i + 1] = Some(hc_read_spec(a, v, i + 1, r, false)?);
     }
     Ok(())

@@ -317,6 +317,7 @@ pub(crate) fn specs(
     }
     if a.fuse_small {
         fuse_hc_norm(a, v, &mut out)?;
+        rows::fuse_row_norms(a, v, &mut out)?;
     }
     for (sp, n) in out.iter_mut().zip(&v.nodes) {
         if commit_in_window_one(v, &n.op) {

@@ -394,7 +394,7 @@ fn linears_of_two_rows_or_more_split_their_rows_first() {
 #[test]
 fn hc_norm_moves_into_the_write_before_a_read_of_the_same_h() {
     for fuse_small in [true, false] {
-        let (mut fused, mut plain) = (0, 0);
+        let (mut fused, mut plain, mut added) = (0, 0, 0);
         for (v, sp) in tiny_specs(fuse_small) {
             for (i, n) in v.nodes.iter().enumerate() {
                 let Op::HcRead { h, .. } = n.op else { continue };
@@ -433,19 +433,18 @@ fn hc_norm_moves_into_the_write_before_a_read_of_the_same_h() {
                     split == 1
                 );
                 let mix = if one { 0 } else { 1 };
-                let after_write = i > 0
-                    && matches!(v.nodes[i - 1].op, Op::HcWrite { h: hw, .. } if hw == h)
-                    && !hc_read_gathered(&v, &n.op);
-                if fuse_small && after_write {
+                // The writer before the read: an HcWrite, or an AddBroadcast (the MTP step's streams), of its h.
+                let writer = match v.nodes[i.saturating_sub(1)].op {
+                    _ if i == 0 || hc_read_gathered(&v, &n.op) => None,
+                    Op::HcWrite { h: hw, .. } if hw == h => Some("hc_write_norm"),
+                    Op::AddBroadcast { out, .. } if out == h => Some("add_broadcast_norm"),
+                    _ => None,
+                };
+                if let (true, Some(want)) = (fuse_small, writer) {
                     fused += 1;
-                    let write = sp[i - 1].as_ref().expect("hc_write launched");
-                    assert_eq!(
-                        write.kernel,
-                        "hc_write_norm",
-                        "{} node {}",
-                        v.kind.name(),
-                        i - 1
-                    );
+                    added += usize::from(want == "add_broadcast_norm");
+                    let write = sp[i - 1].as_ref().expect("the writer launched");
+                    assert_eq!(write.kernel, want, "{} node {}", v.kind.name(), i - 1);
                     assert!(
                         read.kernel.starts_with("hc_read_t") || one,
                         "{}: {}",
@@ -453,16 +452,19 @@ fn hc_norm_moves_into_the_write_before_a_read_of_the_same_h() {
                         read.kernel
                     );
                     assert_eq!(read.launches(), 1 + mix + split);
-                    // The fused write carries the read's norm weight and eps.
-                    assert_eq!(write.params.len(), std::mem::size_of::<FpHcWrite>());
-                    // SAFETY: `params` holds the bytes of one FpHcWrite (`bytes(&p)`), length checked above.
-                    let p: FpHcWrite =
-                        unsafe { std::ptr::read_unaligned(write.params.as_ptr().cast()) };
+                    // The fused writer carries the read's norm weight and eps.
                     let Op::HcRead { norm, eps, .. } = n.op else {
                         unreachable!()
                     };
-                    assert_eq!(p.norm, 0x1000_0000 + ((norm.0 as u64) << 20));
-                    assert_eq!(p.eps, eps);
+                    let (p_norm, p_eps) = if want == "hc_write_norm" {
+                        let p: FpHcWrite = params_of(write);
+                        (p.norm, p.eps)
+                    } else {
+                        let p: FpAddBroadcast = params_of(write);
+                        (p.norm, p.eps)
+                    };
+                    assert_eq!(p_norm, 0x1000_0000 + ((norm.0 as u64) << 20));
+                    assert_eq!(p_eps, eps);
                 } else {
                     assert_eq!(read.kernel, "hc_norm", "{} node {i}", v.kind.name());
                     assert_eq!(read.launches(), 2 + mix + split);
@@ -470,30 +472,77 @@ fn hc_norm_moves_into_the_write_before_a_read_of_the_same_h() {
             }
             // A write not followed by a read of its h (the last layer's, before the head's gathered read; a
             // layer followed by PLE) stays a plain hc_write, with or without the switch.
+            // So does an AddBroadcast (add_broadcast).
             for (i, n) in v.nodes.iter().enumerate() {
-                let Op::HcWrite { h, .. } = n.op else {
-                    continue;
+                let (h, names) = match n.op {
+                    Op::HcWrite { h, .. } => (h, ["hc_write_norm", "hc_write"]),
+                    Op::AddBroadcast { out, .. } => (out, ["add_broadcast_norm", "add_broadcast"]),
+                    _ => continue,
                 };
                 let read_next = v.nodes.get(i + 1).is_some_and(|r| {
                     matches!(r.op, Op::HcRead { h: hr, .. } if hr == h)
                         && !hc_read_gathered(&v, &r.op)
                 });
-                let kernel = sp[i].as_ref().expect("hc_write launched").kernel;
-                let want = if fuse_small && read_next {
-                    "hc_write_norm"
-                } else {
-                    "hc_write"
-                };
+                let kernel = sp[i].as_ref().expect("the writer launched").kernel;
+                let want = names[usize::from(!(fuse_small && read_next))];
                 assert_eq!(kernel, want, "{} node {i}", v.kind.name());
                 plain += usize::from(kernel == "hc_write");
             }
         }
         assert_eq!(fused > 0, fuse_small);
+        assert_eq!(added > 0, fuse_small, "MTP steps' add_broadcast_norm");
         assert!(
             plain > 0,
             "some writes are not followed by a read of their h"
         );
     }
+}
+
+#[test]
+fn mtp_embedding_and_input_gather_run_inside_their_norms() {
+    // With FLASHPLAN_FUSE_SMALL, the MTP step's Embed and GatherRows have no launch of their own: the RmsNorm after
+    // each reads the table row or the gathered io row itself (`rms_norm_embed`, `rms_norm_gather`), with the norm's
+    // own parameters but x; without the switch each runs as before.
+    let (fused, plain) = (tiny_specs(true), tiny_specs(false));
+    let mut seen = 0;
+    for ((v, f), (_, p)) in fused.iter().zip(&plain) {
+        for i in 0..v.nodes.len() - 1 {
+            let (want, from) = match v.nodes[i].op {
+                Op::Embed { .. } => ("rms_norm_embed", "embed"),
+                Op::GatherRows { .. } => ("rms_norm_gather", "gather_rows"),
+                _ => continue,
+            };
+            let what = format!("{} node {i}", v.kind.name());
+            assert!(matches!(v.nodes[i + 1].op, Op::RmsNorm { .. }), "{what}");
+            seen += 1;
+            let (copy, norm) = (
+                p[i].as_ref().expect("copy"),
+                p[i + 1].as_ref().expect("norm"),
+            );
+            assert_eq!((copy.kernel, norm.kernel), (from, "rms_norm"), "{what}");
+            assert!(f[i].is_none(), "{what}: the copy still launches");
+            let fnorm = f[i + 1].as_ref().expect("fused norm");
+            assert_eq!(
+                (fnorm.kernel, fnorm.grid, fnorm.block),
+                (want, norm.grid, norm.block),
+                "{what}"
+            );
+            let (a, b): (FpRmsNorm, FpRmsNorm) = (params_of(fnorm), params_of(norm));
+            // x: the copy's source instead of its output.
+            let src = if want == "rms_norm_embed" {
+                params_of::<FpEmbed>(copy).table
+            } else {
+                params_of::<FpGatherRows>(copy).src
+            };
+            assert_eq!(a.x, src, "{what}");
+            assert_eq!(
+                (a.w, a.out, a.dim, a.group, a.eps),
+                (b.w, b.out, b.dim, b.group, b.eps),
+                "{what}"
+            );
+        }
+    }
+    assert!(seen > 0, "no MTP variants");
 }
 
 #[test]
