@@ -515,6 +515,86 @@ fn fixture_checks(name: &str, dir: &Path, expected: &Path, rep: &mut Report) {
         ok && r1 <= TOL && r2 <= TOL,
         format!("absorb {r1:.2e}, chain {r2:.2e}, drafts equal {ok}"),
     );
+
+    // FLASHPLAN_FUSE_SMALL's launch fusions (hc_write_norm, add_broadcast_norm, rms_norm_embed / _gather,
+    // hc_read_one, experts_one, the router's top-k in its last block...) give the same bits as the unfused launches:
+    // main-model windows from the snapshot, and MTP absorbs and a chained step, each run with the switch off and on.
+    let mut runs: Vec<Vec<Vec<u32>>> = Vec::new();
+    let original = gpu.set_fuse_small(false);
+    let mut ran = original.is_ok();
+    for on in [false, true] {
+        let mut out: Vec<Vec<u32>> = Vec::new();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+        ran &= gpu.set_fuse_small(on).is_ok();
+        for kind in [
+            VariantKind::Lone { window: 1 },
+            VariantKind::Verify {
+                streams: 1,
+                window: 1,
+            },
+            VariantKind::Verify {
+                streams: 1,
+                window: 4,
+            },
+        ] {
+            let (_, win) = kind.shape();
+            gpu.set_slot_state(0, &gpu_snapshot).unwrap();
+            ran &= gpu
+                .run(
+                    kind,
+                    &desc(&[(0, n as u32, win, &cont[..win as usize])], win),
+                )
+                .is_ok();
+            out.push(bits(&gpu.io(IoBuf::Logits)[..win as usize * vocab]));
+        }
+        gpu.reset_slot(0);
+        for i in 0..m {
+            gpu.write_io(IoBuf::MainStreams, 0, &streams[i * hcw..(i + 1) * hcw]);
+            let kind = VariantKind::MtpAbsorb {
+                streams: 1,
+                window: 1,
+                form,
+            };
+            ran &= gpu
+                .run(kind, &desc(&[(0, i as u32, 1, &[toks[i]])], 1))
+                .is_ok();
+            out.push(bits(&gpu.io(IoBuf::Logits)[..vocab]));
+            out.push(bits(&gpu.io(IoBuf::MtpStreams)[..hcw]));
+        }
+        gpu.reset_slot(0);
+        gpu.write_io(IoBuf::MainStreams, 0, &streams[..m * hcw]);
+        let kind = VariantKind::MtpAbsorb {
+            streams: 1,
+            window: 4,
+            form,
+        };
+        ran &= gpu
+            .run(kind, &desc(&[(0, 0, m as u32, &toks[..m])], 4))
+            .is_ok();
+        out.push(bits(&gpu.io(IoBuf::Logits)[..vocab]));
+        ran &= gpu
+            .run(VariantKind::MtpChain { streams: 1, form }, &dc)
+            .is_ok();
+        out.push(bits(&gpu.io(IoBuf::Logits)[..vocab]));
+        out.push(bits(&gpu.io(IoBuf::MtpStreams)[..hcw]));
+        out.push(vec![
+            gpu.io(IoBuf::Sampled)[0].to_bits(),
+            gpu.io(IoBuf::Probs)[0].to_bits(),
+        ]);
+        runs.push(out);
+    }
+    ran &= gpu.set_fuse_small(original.unwrap_or(true)).is_ok();
+    let same = ran && runs[0] == runs[1];
+    rep.add(
+        name,
+        "FLASHPLAN_FUSE_SMALL off == on: lone-w1, verify-s1-w1/w4, mtp absorbs and chain",
+        same,
+        format!(
+            "bit-identical logits, MTP streams and draft: {same} ({} arrays)",
+            runs[0].len()
+        ),
+    );
+
     let caps = gpu.captures();
     let cap_ms: f64 = caps.iter().map(|c| c.ms).sum();
     let nodes: usize = caps.iter().map(|c| c.nodes).max().unwrap_or(0);

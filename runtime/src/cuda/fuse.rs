@@ -1,9 +1,9 @@
 //! Launch-time fusion of sibling linears: a run of consecutive `Linear` nodes reading the same input (a GDN layer's
 //! qkv, z, b and a projections; an attention layer's q, k, v and indexer qk) becomes one `linear_multi` launch
-//! (`kernels/linear.cu`; `linear_multi_mxfp8` in `kernels/mxfp8.cu` for MXFP8 weights) instead of one `linear` launch
-//! each. The small projections (n = 48) are pure launch
-//! latency; fused they ride along with the large one. Each output element keeps the arithmetic of its own `linear`
-//! launch (same row tile, split of K, slices and sums), so fused and unfused results are bit-identical.
+//! (`kernels/linear.cu`; `linear_multi_mxfp8` in `kernels/mxfp8.cu` for MXFP8 weights) instead of one `linear`
+//! launch each. The small projections (n = 48) are pure launch latency; fused they ride along with the large one.
+//! Each output element keeps the arithmetic of its own `linear` launch (same row tile, split of K, slices and sums),
+//! so fused and unfused results are bit-identical.
 //!
 //! Grouping (`launch_groups`): starting at a node, a run grows over the following nodes while each is a `Linear`
 //! node
@@ -33,7 +33,7 @@ pub(crate) fn linear_gathered(v: &Variant, x: BufId, k: u32, sub: u32) -> bool {
 }
 
 /// Whether two buffers of a variant share any element (same space, intersecting element ranges).
-fn overlap(v: &Variant, a: BufId, b: BufId) -> bool {
+pub(crate) fn overlap(v: &Variant, a: BufId, b: BufId) -> bool {
     let (da, db) = (v.buf(a), v.buf(b));
     da.space == db.space && da.offset < db.offset + db.elems && db.offset < da.offset + da.elems
 }
@@ -76,8 +76,8 @@ fn linear_fields(v: &Variant, op: &Op, mxfp8: &impl Fn(WeightId) -> bool) -> Opt
 }
 
 /// The variant's launches as node ranges, in node order, covering every node exactly once: a range of two or more
-/// nodes is a run of sibling linears launched as one `linear_multi` (or `linear_multi_mxfp8`) (see the module documentation for the
-/// rule), a range of one node is that node's own launch. `mxfp8(w)`: whether weight `w` is held as MXFP8 on the
+/// nodes is a run of sibling linears launched as one `linear_multi` or `linear_multi_mxfp8` (see the module
+/// documentation for the rule), a range of one node is that node's own launch. `mxfp8(w)`: whether weight `w` is held as MXFP8 on the
 /// device.
 pub(crate) fn launch_groups(v: &Variant, mxfp8: impl Fn(WeightId) -> bool) -> Vec<Range<usize>> {
     let mut groups = Vec::new();

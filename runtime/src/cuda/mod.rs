@@ -160,7 +160,8 @@ pub struct BenchResult {
     pub kernels_us: Vec<(String, f64)>,
     /// Each node's in-graph time (best of three graph replays, per copy), microseconds, in node order. A run of
     /// sibling linears launched as one `linear_multi` (`FLASHPLAN_FUSE_LINEAR`) has the fused launch's time at its
-    /// first node and 0 at the others. A node whose launches fork a side branch (`launch::LaunchSpec::side`) is
+    /// first node and 0 at the others; an embed or gather run inside the norm after it (`FLASHPLAN_FUSE_SMALL`) has
+    /// 0, the norm the fused launch's time. A node whose launches fork a side branch (`launch::LaunchSpec::side`) is
     /// timed with the side launches in line (in `kernels_us` they count under their own kernel), and the nodes whose
     /// work moved onto the branch have 0: the sum of the nodes then exceeds what the graph, which overlaps the
     /// branch with the main chain, takes.
@@ -192,6 +193,7 @@ enum Cmd {
     ReadFloor(Vec<u64>, Sender<Result<Vec<f64>, BackendError>>),
     GridSms(u32, Sender<Result<(), BackendError>>),
     Pdl(bool, Sender<Result<(), BackendError>>),
+    FuseSmall(bool, Sender<Result<bool, BackendError>>),
 }
 
 /// The CUDA backend handle.
@@ -439,6 +441,16 @@ impl CudaBackend {
     /// A device error.
     pub fn set_pdl(&mut self, on: bool) -> Result<(), BackendError> {
         self.call(|tx| Cmd::Pdl(on, tx))
+    }
+
+    /// Turns `FLASHPLAN_FUSE_SMALL`'s launch fusions on or off, as that variable does at start, and drops the
+    /// captured graphs so that the next runs capture with it. For tests: the fused launches must give the same bits
+    /// as the unfused ones (`tests/gpu.rs`). Returns the setting it replaces.
+    ///
+    /// # Errors
+    /// A device error.
+    pub fn set_fuse_small(&mut self, on: bool) -> Result<bool, BackendError> {
+        self.call(|tx| Cmd::FuseSmall(on, tx))
     }
 
     /// Reads one of a variant's buffers (arena or io) as the last replay left it (f32 elements; u32 buffers such

@@ -51,8 +51,9 @@ pub(super) struct Worker {
     experts_one_blocks: u32,
     /// Launch runs of sibling linears as one `linear_multi` (`FLASHPLAN_FUSE_LINEAR`, default on).
     fuse_linear: bool,
-    /// Fewer launches for small ops (`FLASHPLAN_FUSE_SMALL`, default on): the router in one launch up to 8 rows,
-    /// `hc_norm` inside the preceding `hc_write`, the rest of a hyper-connection read in one launch up to 4 rows.
+    /// Fewer launches for small ops (`FLASHPLAN_FUSE_SMALL`, default on; `settings::fuse_small_setting` lists
+    /// them): the router in one launch up to 8 rows, `hc_norm` inside the preceding write, the rest of a
+    /// hyper-connection read in one launch up to 4 rows, one row's experts in one launch, a copy inside its norm.
     fuse_small: bool,
     modules: Vec<sys::CUmodule>,
     rope_cfg: Rope,
@@ -286,6 +287,11 @@ impl Worker {
                     self.graphs.clear();
                     let _ = tx.send(Ok(()));
                 }
+                Cmd::FuseSmall(on, tx) => {
+                    let was = std::mem::replace(&mut self.fuse_small, on);
+                    self.graphs.clear();
+                    let _ = tx.send(Ok(was));
+                }
             }
         }
     }
@@ -299,8 +305,8 @@ impl Worker {
         unsafe { result::stream::synchronize(self.cu()) }.map_err(dev_err("kernel execution"))
     }
 
-    /// Launch specs of variant `i`, one entry per node (`launch::specs`: `None` for a node whose work a fused launch
-    /// at an earlier node of its run does).
+    /// Launch specs of variant `i`, one entry per node (`launch::specs`: `None` for a node whose work another node's
+    /// launch does).
     fn specs(&self, i: usize) -> Result<Vec<Option<launch::LaunchSpec>>, BackendError> {
         let v = &self.body.variants[i];
         let (s, w) = v.kind.shape();
@@ -717,8 +723,9 @@ impl Worker {
         let mut per: BTreeMap<String, f64> = BTreeMap::new();
         let mut nodes_us = Vec::with_capacity(specs.len());
         for sp in &specs {
-            // A node without a launch costs nothing of its own: fused into an earlier node's launch (that launch's
-            // time stands at the run's first node), or a window-1 gdn_commit done by gdn_conv and gdn_recur.
+            // A node without a launch costs nothing of its own: fused into another node's launch (a linear run's
+            // first node, or the norm after an embed or gather: that launch's time stands at its own node), or a
+            // window-1 gdn_commit done by gdn_conv and gdn_recur.
             let Some(sp) = sp else {
                 nodes_us.push(0.0);
                 continue;

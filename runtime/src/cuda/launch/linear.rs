@@ -116,7 +116,8 @@ fn linear_params(a: &Addrs, v: &Variant, op: &Op) -> Result<(FpLinear, u32, u32)
 }
 
 /// Blocks of `linear_t1`, `linear_t2`, `linear_multi_t1` and `linear_multi_t2` resident on one SM (their
-/// `__launch_bounds__(256, 3)`).
+/// `__launch_bounds__(256, 3)`), and of their MXFP8 twins (`linear_mxfp8_t1`, `_t2`, `linear_multi_mxfp8_t1`, `_t2`:
+/// the same bounds).
 pub(super) const LINEAR_T1_BLOCKS_PER_SM: u32 = 3;
 
 /// A grid of `blocks` cut to the blocks that fit on the GPU at once (`per_sm` on each of `sms` SMs), for kernels

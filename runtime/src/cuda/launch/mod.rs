@@ -69,7 +69,8 @@ pub(crate) struct Addrs<'a> {
     pub counters: u64,
     /// Fewer launches for the small ops (`FLASHPLAN_FUSE_SMALL`): the router in one launch up to
     /// `ROUTER_ONE_LAUNCH_ROWS` rows (its last block does the top-k), `hc_norm` in the write before it, the rest of a
-    /// hyper-connection read in one launch up to 4 rows (`hc_read_one_t*`). Same bits either way.
+    /// hyper-connection read in one launch up to 4 rows (`hc_read_one_t*`), one row's experts in one launch, an embed
+    /// or gather inside the norm after it (`rows::fuse_row_norms`). Same bits either way.
     pub fuse_small: bool,
     /// Streaming multiprocessors of the GPU (132 on the H200), for the one-wave grids ([`linear::one_wave`]).
     pub sms: u32,
@@ -292,7 +293,9 @@ pub(crate) fn scratch_elems(body: &PlanBody, op: &Op, rows: u64) -> u64 {
 
 /// Launch specs of a variant, one entry per node in node order. With `fuse_linears`, each run of sibling linears
 /// (`fuse::launch_groups`) is one `linear_multi` launch standing at its first node's entry; the run's other
-/// nodes get `None` (no launch of their own). Otherwise every node has its own launch.
+/// nodes get `None` (no launch of their own). With `a.fuse_small`, an embed or gather run inside the norm after it
+/// gets `None` too (`rows::fuse_row_norms`), and so does a window-1 `GdnCommit` in every case (its work done by
+/// gdn_conv and gdn_recur). Every other node has its own launch.
 pub(crate) fn specs(
     a: &Addrs,
     v: &Variant,

@@ -72,12 +72,24 @@ pub(super) fn fuse_row_norms(
             }
             _ => continue,
         };
-        // Later nodes must not read the copy, unless the norm wrote over it (in place: they read the norm's rows).
+        // The copy must be the norm's input, in the arena (an io buffer outlives the variant), and read by no later
+        // node, unless the norm wrote over it (in place: they read the norm's rows); a gather's norm must not write
+        // where the gather reads.
         let read_later = *y != copied
             && v.nodes[i + 2..]
                 .iter()
                 .any(|n| n.op.reads().contains(&copied));
-        if copied != *x || read_later || out[i].is_none() || out[i + 1].is_none() {
+        let gather_src_hit = match copy {
+            Op::GatherRows { src, .. } => fuse::overlap(v, *y, *src),
+            _ => false,
+        };
+        if copied != *x
+            || v.buf(copied).space != Space::Arena
+            || read_later
+            || gather_src_hit
+            || out[i].is_none()
+            || out[i + 1].is_none()
+        {
             continue;
         }
         let mut p = rms_norm_params(a, v, norm)?;

@@ -445,6 +445,18 @@ fn hc_norm_moves_into_the_write_before_a_read_of_the_same_h() {
                     added += usize::from(want == "add_broadcast_norm");
                     let write = sp[i - 1].as_ref().expect("the writer launched");
                     assert_eq!(write.kernel, want, "{} node {}", v.kind.name(), i - 1);
+                    // Block per (row, group) of 256 threads: hc_norm_group's tree, as hc_norm's.
+                    let Op::HcRead { hc, .. } = n.op else {
+                        unreachable!()
+                    };
+                    let (streams, window) = v.kind.shape();
+                    assert_eq!(
+                        write.grid,
+                        (streams * window * hc, 1, 1),
+                        "{}",
+                        v.kind.name()
+                    );
+                    assert_eq!(write.block, (256, 1, 1), "{}", v.kind.name());
                     assert!(
                         read.kernel.starts_with("hc_read_t") || one,
                         "{}: {}",
@@ -543,6 +555,51 @@ fn mtp_embedding_and_input_gather_run_inside_their_norms() {
         }
     }
     assert!(seen > 0, "no MTP variants");
+}
+
+#[test]
+fn a_copy_read_again_later_keeps_its_own_launch() {
+    // The guard of `fuse_row_norms`: an MTP step's gathered input streams read by a node after their norm (here a
+    // second norm of them into a buffer of its own) must stay written, so gather_rows keeps its launch and the norm
+    // reads them; the embedding, which nothing else reads, still runs inside its norm.
+    let mut plan = crate::cuda::fuse::tests::tiny_plan();
+    let vi = plan
+        .variants
+        .iter()
+        .position(|v| matches!(v.kind, flashplan_plan::VariantKind::MtpChain { .. }))
+        .expect("an MTP chain variant");
+    let v = &mut plan.variants[vi];
+    let g = v
+        .nodes
+        .iter()
+        .position(|n| matches!(n.op, Op::GatherRows { .. }))
+        .expect("the input gather");
+    let mut again = v.nodes[g + 1].clone();
+    let Op::RmsNorm { out, .. } = &mut again.op else {
+        panic!("the gather's norm");
+    };
+    let d = v.buf(*out).clone();
+    v.buffers.push(flashplan_plan::BufferDecl {
+        name: "test.again".into(),
+        space: d.space,
+        elems: d.elems,
+        offset: v.arena_elems,
+    });
+    v.arena_elems += d.elems;
+    *out = flashplan_plan::BufId((v.buffers.len() - 1) as u32);
+    v.nodes.insert(g + 2, again);
+    let specs = specs_of(&plan, true, SIDE_SCRATCH, 132);
+    let (v, sp) = &specs[vi];
+    let kernel = |i: usize| sp[i].as_ref().map(|s| s.kernel);
+    assert_eq!(kernel(g), Some("gather_rows"), "{}", v.kind.name());
+    assert_eq!(kernel(g + 1), Some("rms_norm"));
+    assert_eq!(kernel(g + 2), Some("rms_norm"));
+    let e = v
+        .nodes
+        .iter()
+        .position(|n| matches!(n.op, Op::Embed { .. }))
+        .expect("the embedding");
+    assert_eq!((kernel(e), kernel(e + 1)), (None, Some("rms_norm_embed")));
 }
 
 #[test]
