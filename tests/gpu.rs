@@ -18,7 +18,7 @@ use common::*;
 use flashplan_plan::{
     CompileOptions, DrafterForm, IoBuf, ModelConfig, PlanBody, RoundDesc, StreamDesc, VariantKind,
 };
-use flashplan_runtime::backend::Backend;
+use flashplan_runtime::backend::{Backend, BackendError};
 use flashplan_runtime::checkpoint::{load_checkpoint, LoadOptions};
 use flashplan_runtime::cpu::CpuBackend;
 use flashplan_runtime::cuda::CudaBackend;
@@ -516,84 +516,95 @@ fn fixture_checks(name: &str, dir: &Path, expected: &Path, rep: &mut Report) {
         format!("absorb {r1:.2e}, chain {r2:.2e}, drafts equal {ok}"),
     );
 
-    // FLASHPLAN_FUSE_SMALL's launch fusions (hc_write_norm, add_broadcast_norm, rms_norm_embed / _gather,
-    // hc_read_one, experts_one, the router's top-k in its last block...) give the same bits as the unfused launches:
-    // main-model windows from the snapshot, and MTP absorbs and a chained step, each run with the switch off and on.
-    let mut runs: Vec<Vec<Vec<u32>>> = Vec::new();
-    let original = gpu.set_fuse_small(false);
-    let mut ran = original.is_ok();
-    for on in [false, true] {
-        let mut out: Vec<Vec<u32>> = Vec::new();
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
-        ran &= gpu.set_fuse_small(on).is_ok();
-        for kind in [
-            VariantKind::Lone { window: 1 },
-            VariantKind::Verify {
-                streams: 1,
-                window: 1,
-            },
-            VariantKind::Verify {
-                streams: 1,
-                window: 4,
-            },
-        ] {
-            let (_, win) = kind.shape();
-            gpu.set_slot_state(0, &gpu_snapshot).unwrap();
-            ran &= gpu
-                .run(
-                    kind,
-                    &desc(&[(0, n as u32, win, &cont[..win as usize])], win),
-                )
-                .is_ok();
-            out.push(bits(&gpu.io(IoBuf::Logits)[..win as usize * vocab]));
-        }
-        gpu.reset_slot(0);
-        for i in 0..m {
-            gpu.write_io(IoBuf::MainStreams, 0, &streams[i * hcw..(i + 1) * hcw]);
+    // The launch switches give the same bits both ways: FLASHPLAN_FUSE_SMALL's fusions (hc_write_norm,
+    // add_broadcast_norm, rms_norm_embed / _gather, hc_read_one, experts_one, the router's top-k in its last block),
+    // FLASHPLAN_FUSE_LINEAR's sibling runs (linear_multi) and FLASHPLAN_PDL's programmatic launches. Each runs
+    // main-model windows from the snapshot, then MTP absorbs and a chained step, with the switch off and on (the
+    // backend recaptures), and every logit, MTP stream value and the draft with its probability are compared bit for
+    // bit; the switch then goes back to its setting from the environment.
+    type Switch = fn(&mut CudaBackend, bool) -> Result<bool, BackendError>;
+    let switches: [(&str, Switch); 3] = [
+        ("FLASHPLAN_FUSE_SMALL", CudaBackend::set_fuse_small),
+        ("FLASHPLAN_FUSE_LINEAR", CudaBackend::set_fuse_linear),
+        ("FLASHPLAN_PDL", CudaBackend::set_pdl),
+    ];
+    for (var, set) in switches {
+        let mut runs: Vec<Vec<Vec<u32>>> = Vec::new();
+        let original = set(&mut gpu, false);
+        let mut ran = original.is_ok();
+        for on in [false, true] {
+            let mut out: Vec<Vec<u32>> = Vec::new();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+            ran &= set(&mut gpu, on).is_ok();
+            for kind in [
+                VariantKind::Lone { window: 1 },
+                VariantKind::Verify {
+                    streams: 1,
+                    window: 1,
+                },
+                VariantKind::Verify {
+                    streams: 1,
+                    window: 4,
+                },
+            ] {
+                let (_, win) = kind.shape();
+                gpu.set_slot_state(0, &gpu_snapshot).unwrap();
+                ran &= gpu
+                    .run(
+                        kind,
+                        &desc(&[(0, n as u32, win, &cont[..win as usize])], win),
+                    )
+                    .is_ok();
+                out.push(bits(&gpu.io(IoBuf::Logits)[..win as usize * vocab]));
+            }
+            gpu.reset_slot(0);
+            for i in 0..m {
+                gpu.write_io(IoBuf::MainStreams, 0, &streams[i * hcw..(i + 1) * hcw]);
+                let kind = VariantKind::MtpAbsorb {
+                    streams: 1,
+                    window: 1,
+                    form,
+                };
+                ran &= gpu
+                    .run(kind, &desc(&[(0, i as u32, 1, &[toks[i]])], 1))
+                    .is_ok();
+                out.push(bits(&gpu.io(IoBuf::Logits)[..vocab]));
+                out.push(bits(&gpu.io(IoBuf::MtpStreams)[..hcw]));
+            }
+            gpu.reset_slot(0);
+            gpu.write_io(IoBuf::MainStreams, 0, &streams[..m * hcw]);
             let kind = VariantKind::MtpAbsorb {
                 streams: 1,
-                window: 1,
+                window: 4,
                 form,
             };
             ran &= gpu
-                .run(kind, &desc(&[(0, i as u32, 1, &[toks[i]])], 1))
+                .run(kind, &desc(&[(0, 0, m as u32, &toks[..m])], 4))
+                .is_ok();
+            out.push(bits(&gpu.io(IoBuf::Logits)[..vocab]));
+            ran &= gpu
+                .run(VariantKind::MtpChain { streams: 1, form }, &dc)
                 .is_ok();
             out.push(bits(&gpu.io(IoBuf::Logits)[..vocab]));
             out.push(bits(&gpu.io(IoBuf::MtpStreams)[..hcw]));
+            out.push(vec![
+                gpu.io(IoBuf::Sampled)[0].to_bits(),
+                gpu.io(IoBuf::Probs)[0].to_bits(),
+            ]);
+            runs.push(out);
         }
-        gpu.reset_slot(0);
-        gpu.write_io(IoBuf::MainStreams, 0, &streams[..m * hcw]);
-        let kind = VariantKind::MtpAbsorb {
-            streams: 1,
-            window: 4,
-            form,
-        };
-        ran &= gpu
-            .run(kind, &desc(&[(0, 0, m as u32, &toks[..m])], 4))
-            .is_ok();
-        out.push(bits(&gpu.io(IoBuf::Logits)[..vocab]));
-        ran &= gpu
-            .run(VariantKind::MtpChain { streams: 1, form }, &dc)
-            .is_ok();
-        out.push(bits(&gpu.io(IoBuf::Logits)[..vocab]));
-        out.push(bits(&gpu.io(IoBuf::MtpStreams)[..hcw]));
-        out.push(vec![
-            gpu.io(IoBuf::Sampled)[0].to_bits(),
-            gpu.io(IoBuf::Probs)[0].to_bits(),
-        ]);
-        runs.push(out);
+        ran &= set(&mut gpu, original.unwrap_or(true)).is_ok();
+        let same = ran && runs[0] == runs[1];
+        rep.add(
+            name,
+            &format!("{var} off == on: lone-w1, verify-s1-w1/w4, mtp absorbs and chain"),
+            same,
+            format!(
+                "bit-identical logits, MTP streams and draft: {same} ({} arrays)",
+                runs[0].len()
+            ),
+        );
     }
-    ran &= gpu.set_fuse_small(original.unwrap_or(true)).is_ok();
-    let same = ran && runs[0] == runs[1];
-    rep.add(
-        name,
-        "FLASHPLAN_FUSE_SMALL off == on: lone-w1, verify-s1-w1/w4, mtp absorbs and chain",
-        same,
-        format!(
-            "bit-identical logits, MTP streams and draft: {same} ({} arrays)",
-            runs[0].len()
-        ),
-    );
 
     let caps = gpu.captures();
     let cap_ms: f64 = caps.iter().map(|c| c.ms).sum();

@@ -192,7 +192,8 @@ enum Cmd {
     Replays(usize, Vec<u8>, u32, Sender<Result<f64, BackendError>>),
     ReadFloor(Vec<u64>, Sender<Result<Vec<f64>, BackendError>>),
     GridSms(u32, Sender<Result<(), BackendError>>),
-    Pdl(bool, Sender<Result<(), BackendError>>),
+    Pdl(bool, Sender<Result<bool, BackendError>>),
+    FuseLinear(bool, Sender<Result<bool, BackendError>>),
     FuseSmall(bool, Sender<Result<bool, BackendError>>),
 }
 
@@ -435,12 +436,23 @@ impl CudaBackend {
 
     /// Launches every kernel as a programmatic dependent launch (`on`) or as a plain one, as `FLASHPLAN_PDL` does at
     /// start, and drops the captured graphs so that the next runs capture with it. For benchmarks: one process times
-    /// each variant both ways in alternation (`gpu_bench --pdl-ab`); the results are the same bits either way.
+    /// each variant both ways in alternation (`gpu_bench --pdl-ab`); the results are the same bits either way
+    /// (`tests/gpu.rs` checks it). Returns the setting it replaces.
     ///
     /// # Errors
     /// A device error.
-    pub fn set_pdl(&mut self, on: bool) -> Result<(), BackendError> {
+    pub fn set_pdl(&mut self, on: bool) -> Result<bool, BackendError> {
         self.call(|tx| Cmd::Pdl(on, tx))
+    }
+
+    /// Launches runs of sibling linears as one `linear_multi` (`on`) or each on its own, as `FLASHPLAN_FUSE_LINEAR`
+    /// does at start, and drops the captured graphs so that the next runs capture with it. For tests: the fused
+    /// launch must give the same bits as the unfused ones (`tests/gpu.rs`). Returns the setting it replaces.
+    ///
+    /// # Errors
+    /// A device error.
+    pub fn set_fuse_linear(&mut self, on: bool) -> Result<bool, BackendError> {
+        self.call(|tx| Cmd::FuseLinear(on, tx))
     }
 
     /// Turns `FLASHPLAN_FUSE_SMALL`'s launch fusions on or off, as that variable does at start, and drops the

@@ -283,9 +283,14 @@ impl Worker {
                     let _ = tx.send(Ok(()));
                 }
                 Cmd::Pdl(on, tx) => {
-                    self.pdl = on;
+                    let was = std::mem::replace(&mut self.pdl, on);
                     self.graphs.clear();
-                    let _ = tx.send(Ok(()));
+                    let _ = tx.send(Ok(was));
+                }
+                Cmd::FuseLinear(on, tx) => {
+                    let was = std::mem::replace(&mut self.fuse_linear, on);
+                    self.graphs.clear();
+                    let _ = tx.send(Ok(was));
                 }
                 Cmd::FuseSmall(on, tx) => {
                     let was = std::mem::replace(&mut self.fuse_small, on);
