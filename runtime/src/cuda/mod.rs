@@ -192,9 +192,19 @@ enum Cmd {
     Replays(usize, Vec<u8>, u32, Sender<Result<f64, BackendError>>),
     ReadFloor(Vec<u64>, Sender<Result<Vec<f64>, BackendError>>),
     GridSms(u32, Sender<Result<(), BackendError>>),
-    Pdl(bool, Sender<Result<bool, BackendError>>),
-    FuseLinear(bool, Sender<Result<bool, BackendError>>),
-    FuseSmall(bool, Sender<Result<bool, BackendError>>),
+    /// Sets a launch switch; replies with the setting it replaced.
+    Switch(Switch, bool, Sender<Result<bool, BackendError>>),
+}
+
+/// The launch switches a test or benchmark may flip after start (the worker then recaptures every graph).
+#[derive(Debug, Clone, Copy)]
+enum Switch {
+    /// `FLASHPLAN_PDL`.
+    Pdl,
+    /// `FLASHPLAN_FUSE_LINEAR`.
+    FuseLinear,
+    /// `FLASHPLAN_FUSE_SMALL`.
+    FuseSmall,
 }
 
 /// The CUDA backend handle.
@@ -442,7 +452,7 @@ impl CudaBackend {
     /// # Errors
     /// A device error.
     pub fn set_pdl(&mut self, on: bool) -> Result<bool, BackendError> {
-        self.call(|tx| Cmd::Pdl(on, tx))
+        self.call(|tx| Cmd::Switch(Switch::Pdl, on, tx))
     }
 
     /// Launches runs of sibling linears as one `linear_multi` (`on`) or each on its own, as `FLASHPLAN_FUSE_LINEAR`
@@ -452,7 +462,7 @@ impl CudaBackend {
     /// # Errors
     /// A device error.
     pub fn set_fuse_linear(&mut self, on: bool) -> Result<bool, BackendError> {
-        self.call(|tx| Cmd::FuseLinear(on, tx))
+        self.call(|tx| Cmd::Switch(Switch::FuseLinear, on, tx))
     }
 
     /// Turns `FLASHPLAN_FUSE_SMALL`'s launch fusions on or off, as that variable does at start, and drops the
@@ -462,7 +472,7 @@ impl CudaBackend {
     /// # Errors
     /// A device error.
     pub fn set_fuse_small(&mut self, on: bool) -> Result<bool, BackendError> {
-        self.call(|tx| Cmd::FuseSmall(on, tx))
+        self.call(|tx| Cmd::Switch(Switch::FuseSmall, on, tx))
     }
 
     /// Reads one of a variant's buffers (arena or io) as the last replay left it (f32 elements; u32 buffers such

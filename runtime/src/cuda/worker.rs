@@ -282,18 +282,13 @@ impl Worker {
                     self.graphs.clear();
                     let _ = tx.send(Ok(()));
                 }
-                Cmd::Pdl(on, tx) => {
-                    let was = std::mem::replace(&mut self.pdl, on);
-                    self.graphs.clear();
-                    let _ = tx.send(Ok(was));
-                }
-                Cmd::FuseLinear(on, tx) => {
-                    let was = std::mem::replace(&mut self.fuse_linear, on);
-                    self.graphs.clear();
-                    let _ = tx.send(Ok(was));
-                }
-                Cmd::FuseSmall(on, tx) => {
-                    let was = std::mem::replace(&mut self.fuse_small, on);
+                Cmd::Switch(which, on, tx) => {
+                    let flag = match which {
+                        Switch::Pdl => &mut self.pdl,
+                        Switch::FuseLinear => &mut self.fuse_linear,
+                        Switch::FuseSmall => &mut self.fuse_small,
+                    };
+                    let was = std::mem::replace(flag, on);
                     self.graphs.clear();
                     let _ = tx.send(Ok(was));
                 }

@@ -22,8 +22,7 @@ pub(super) fn add_broadcast_spec(
     else {
         return Err(wrong_op("add_broadcast", op));
     };
-    let (streams, window) = v.kind.shape();
-    let rows = streams * window;
+    let rows = out_rows(v);
     let p = FpAddBroadcast {
         c: a.common,
         a: a.buf(v, *x),
