@@ -120,6 +120,9 @@ fn linear_params(a: &Addrs, v: &Variant, op: &Op) -> Result<(FpLinear, u32, u32)
 /// the same bounds).
 pub(super) const LINEAR_T1_BLOCKS_PER_SM: u32 = 3;
 
+/// Blocks of `linear_t1_deep` and `linear_mxfp8_t1_deep` resident on one SM (their `__launch_bounds__(256, 2)`).
+pub(super) const LINEAR_T1_DEEP_BLOCKS_PER_SM: u32 = 2;
+
 /// A grid of `blocks` cut to the blocks that fit on the GPU at once (`per_sm` on each of `sms` SMs), for kernels
 /// whose blocks loop over their work (grid-stride), so the launch runs in one wave: no block waits for a slot and
 /// no block repeats its set-up (a lone row's split into shared memory, the top of the first loads). Which block does
@@ -266,6 +269,26 @@ pub(super) fn with_split(
     LaunchSpec::new(split, params, (split_grid(total, k), 1, 1), 256).then(kernel, grid, 256)
 }
 
+/// The grid of a `Linear` launch of `blocks` blocks (one per block of output features) over `total` rows, its BF16
+/// entry point `entry` ([`linear_entry`]) and its weight held as MXFP8 or not, on `sms` SMs (0: unknown, the grid
+/// kept). Which block computes a feature never changes its arithmetic.
+pub(super) fn linear_grid(blocks: u32, total: u32, entry: &str, mxfp8: bool, sms: u32) -> u32 {
+    let deep = entry == "linear_t1_deep";
+    if total <= 2 && !deep {
+        // As `linear_multi` at one or two rows: one wave.
+        one_wave(blocks, LINEAR_T1_BLOCKS_PER_SM, sms)
+    } else if deep && mxfp8 {
+        // The drafting lm_head copy (`linear_mxfp8_t1_deep`) in one wave of 264 blocks, each looping over about 15
+        // of the 3880 blocks' features: a block's MXFP8 features are half the bytes of BF16 ones, so its set-up (the
+        // row split into shared memory, the first loads) weighs twice as much. H200, the `mxfp8-head` draft step:
+        // 373.1 / 374.5 -> 358.0 / 357.3 us (two runs each). The BF16 `linear_t1_deep` (the main model's lm_head)
+        // keeps its 3880 blocks: in one wave it was slower (300.8 -> 302.8 us).
+        one_wave(blocks, LINEAR_T1_DEEP_BLOCKS_PER_SM, sms)
+    } else {
+        blocks
+    }
+}
+
 /// Parameters and launch of a `Linear` node: the BF16 `linear` entry point of its rows, or `linear_mxfp8`'s when its
 /// weight is held as MXFP8 tiles (the same body, parameters, split of K, grid and row split: bit-identical results on
 /// the same values), one wave at one or two rows, after the row split from two rows on.
@@ -275,14 +298,9 @@ pub(super) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
     };
     let (p, total, per_block) = linear_params(a, v, op)?;
     let entry = linear_entry(total, p.k, p.split);
-    let deep = entry == "linear_t1_deep";
-    let mut grid = n.div_ceil(per_block);
-    if total <= 2 && !deep {
-        // As `linear_multi` at one or two rows: one wave (the lm_head's `linear_t1_deep` in one wave of 264 blocks
-        // was slower: 300.8 -> 302.8 us).
-        grid = one_wave(grid, LINEAR_T1_BLOCKS_PER_SM, a.sms);
-    }
-    let entry = if a.is_mxfp8(*w) {
+    let mxfp8 = a.is_mxfp8(*w);
+    let grid = linear_grid(n.div_ceil(per_block), total, entry, mxfp8, a.sms);
+    let entry = if mxfp8 {
         mxfp8_entry(entry, total)
     } else {
         entry

@@ -796,6 +796,36 @@ fn only_a_one_row_linear_of_many_steps_a_warp_runs_deep() {
 }
 
 #[test]
+fn only_the_mxfp8_deep_linear_runs_in_one_wave_of_its_two_blocks_an_sm() {
+    // The lm_head at one row: 2 slices of K, 64 features a block, 3880 blocks.
+    let split = tc_split(2560, 248_320);
+    let blocks = 248_320u32.div_ceil(tc_features_per_block(split));
+    assert_eq!(blocks, 3880);
+    let entry = linear_entry(1, 2560, split);
+    assert_eq!(entry, "linear_t1_deep");
+    // BF16: every block launched; the drafting MXFP8 copy: one wave of 2 blocks on each of 132 SMs.
+    assert_eq!(linear_grid(blocks, 1, entry, false, 132), 3880);
+    assert_eq!(linear_grid(blocks, 1, entry, true, 132), 264);
+    // An unknown SM count keeps the grid.
+    assert_eq!(linear_grid(blocks, 1, entry, true, 0), 3880);
+    // Other one- and two-row linears, either form: one wave of 3 blocks an SM; wider windows keep their grids.
+    let (k, n) = (2560, 10_240);
+    let split = tc_split(k, n);
+    let blocks = n.div_ceil(tc_features_per_block(split));
+    for mxfp8 in [false, true] {
+        for rows in [1, 2] {
+            let entry = linear_entry(rows, k, split);
+            assert_eq!(
+                linear_grid(blocks, rows, entry, mxfp8, 132),
+                blocks.min(396)
+            );
+        }
+        let entry = linear_entry(16, k, split);
+        assert_eq!(linear_grid(blocks, 16, entry, mxfp8, 132), blocks);
+    }
+}
+
+#[test]
 fn experts_grids_have_one_block_per_8_warps_of_items_and_both_down_kernels_run() {
     let mut seen = 0;
     let mut downs = std::collections::BTreeSet::new();
