@@ -558,6 +558,89 @@ fn mtp_embedding_and_input_gather_run_inside_their_norms() {
 }
 
 #[test]
+fn rms_norm_blocks_hold_a_group_in_one_batch_of_loads() {
+    // At most 16 values a thread (ROW_U), 256 to 1024 threads: the MTP step's 10240 input-stream values take 1024
+    // threads, a 2560-wide row 256.
+    assert_eq!(super::rows::rms_norm_threads(10_240), 1024);
+    assert_eq!(super::rows::rms_norm_threads(2560), 256);
+    assert_eq!(super::rows::rms_norm_threads(4097), 512);
+    assert_eq!(super::rows::rms_norm_threads(8), 256);
+    assert_eq!(super::rows::rms_norm_threads(1 << 20), 1024);
+    for group in [1, 100, 2560, 4096, 4097, 10_240, 16_384] {
+        let t = super::rows::rms_norm_threads(group);
+        assert!(t % 32 == 0 && (256..=1024).contains(&t), "{group}: {t}");
+        assert!(group.div_ceil(t) <= 16 || t == 1024, "{group}: {t}");
+    }
+    // The launches take it from the node's group, fused or not (the tiny plan's groups: 256 threads).
+    let mut seen = 0;
+    for ((v, plain), (_, fused)) in tiny_specs(false).iter().zip(&tiny_specs(true)) {
+        for (i, n) in v.nodes.iter().enumerate() {
+            let Op::RmsNorm { group, .. } = n.op else {
+                continue;
+            };
+            for s in [&plain[i], &fused[i]].into_iter().flatten() {
+                assert_eq!(
+                    s.block,
+                    (super::rows::rms_norm_threads(group), 1, 1),
+                    "{}",
+                    s.kernel
+                );
+                seen += 1;
+            }
+        }
+    }
+    assert!(seen > 0, "no RmsNorm launches");
+}
+
+#[test]
+fn a_sample_of_few_items_is_one_launch_counting_in_its_node_counters() {
+    // With FLASHPLAN_FUSE_SMALL: sample_one, grid (items, 64 parts) of 1024 threads, counting in the node's
+    // counters; without: sample_part (256 threads) then sample (block per item, 1024 threads), no counter. Every
+    // other parameter the same.
+    let (fused, plain) = (tiny_specs(true), tiny_specs(false));
+    let mut seen = 0;
+    for ((v, f), (_, p)) in fused.iter().zip(&plain) {
+        for (i, n) in v.nodes.iter().enumerate() {
+            let Op::Sample { .. } = n.op else {
+                continue;
+            };
+            let what = format!("{} node {i}", v.kind.name());
+            let (f, p) = (f[i].as_ref().expect("fused"), p[i].as_ref().expect("plain"));
+            let items = p.grid.0;
+            assert_eq!(p.kernel, "sample_part", "{what}");
+            assert_eq!((p.grid, p.block), ((items, 64, 1), (256, 1, 1)), "{what}");
+            assert_eq!(p.then, vec![("sample", (items, 1, 1), 1024)], "{what}");
+            if items > NODE_COUNTERS {
+                // More items than counters: the two launches either way.
+                assert_eq!(
+                    (f.kernel, f.grid, &f.then),
+                    (p.kernel, p.grid, &p.then),
+                    "{what}"
+                );
+                continue;
+            }
+            assert_eq!(f.kernel, "sample_one", "{what}");
+            assert_eq!((f.grid, f.block), ((items, 64, 1), (1024, 1, 1)), "{what}");
+            assert!(f.then.is_empty(), "{what}");
+            let (a, b): (FpSample, FpSample) = (params_of(f), params_of(p));
+            assert_eq!(
+                a.done,
+                0x5000_0000 + 4 * NODE_COUNTERS as u64 * i as u64,
+                "{what}"
+            );
+            assert_eq!(b.done, 0, "{what}");
+            assert_eq!(
+                (a.logits, a.tokens, a.probs, a.mode, a.vocab),
+                (b.logits, b.tokens, b.probs, b.mode, b.vocab),
+                "{what}"
+            );
+            seen += 1;
+        }
+    }
+    assert!(seen > 0, "no Sample nodes");
+}
+
+#[test]
 fn a_copy_read_again_later_keeps_its_own_launch() {
     // The guard of `fuse_row_norms`: an MTP step's gathered input streams read by a node after their norm (here a
     // second norm of them into a buffer of its own) must stay written, so gather_rows keeps its launch and the norm
