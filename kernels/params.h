@@ -415,8 +415,6 @@ typedef struct FpSample {
     u64 logits;
     u64 tokens;
     u64 probs;
-    /* sample_one: the node's counters, one per item (launch::NODE_COUNTERS); 0 for sample_part and sample. */
-    u64 done;
     u32 mode;
     u32 vocab;
 } FpSample;

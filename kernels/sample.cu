@@ -295,102 +295,82 @@ struct SamplePart {
 DEV SamplePart* parts_of(const FpSample& p, u32 it) {
     return (SamplePart*)(fptr(p.c.scratch)) + (u64)it * SAMPLE_PARTS;
 }
-// Item it's part z with the block's first PT threads (sample_part's block; a larger block's other threads take no
-// logit, but join the block reductions with values that change no result: an argmax that never wins, +0 to a sum
-// of non-negative terms), into its SamplePart. Nothing for an item that is not a real row or samples filtered.
-#define SAMPLE_PART_THREADS 256u
-DEV void sample_part_item(const FpSample& p, u32 it, u32 z, double* shv, u32* shi) {
-    constexpr u32 PT = SAMPLE_PART_THREADS;
-    const FpCommon& c = p.c;
-    const u32 per = (p.vocab + SAMPLE_PARTS - 1) / SAMPLE_PARTS;
-    const u32 lo = z * per < p.vocab ? z * per : p.vocab, hi = lo + per < p.vocab ? lo + per : p.vocab;
-    // A thread past PT starts past hi: it takes no logit.
-    const u32 t0 = threadIdx.x < PT ? lo + threadIdx.x : hi;
-    u32 s, row;
-    u64 position;
-    if (!sample_item(p, it, s, row, position)) return;
-    const FpStream& st = stream_of(c, s);
-    if (filtered_sampling(st, p.vocab)) return;  // phase 2 takes the whole row itself
-    const float* lg = fptr(p.logits) + (u64)row * p.vocab;
-    // The thread's logits lo + threadIdx.x + j * PT in ascending j, SAMPLE_HELD of them loaded at once (one memory
-    // latency for the batch, not one a logit), then taken in that order.
-    double best = -INFINITY;
-    u32 bi = 0xffffffffu;
-    for (u32 b = t0; b < hi; b += SAMPLE_HELD * PT) {
-        float v[SAMPLE_HELD];
-        load_strided(v, b, PT, hi, -INFINITY, [&](u32 i) { return keyf(lg[i]); });
-#pragma unroll
-        for (int j = 0; j < SAMPLE_HELD; j++) {
-            const float l = v[j];
-            if (l > -INFINITY && (bi == 0xffffffffu || (double)l > best)) {
-                best = l;
-                bi = b + j * PT;
-            }
-        }
-    }
-    block_argmax(best, bi, shv, shi);
-    const double m = bi == 0xffffffffu ? -INFINITY : best;
-    double zz = 0.0;
-    if (m > -INFINITY && m < INFINITY)
-        for (u32 b = t0; b < hi; b += SAMPLE_HELD * PT) {
-            float v[SAMPLE_HELD];
-            load_strided(v, b, PT, hi, 0.0f, [&](u32 i) { return keyf(lg[i]); });
-#pragma unroll
-            for (int j = 0; j < SAMPLE_HELD; j++)
-                if (b + j * PT < hi) zz += exp((double)v[j] - m);
-        }
-    zz = block_sum_d(zz, shv);
-    double gb = -INFINITY;
-    u32 gi = 0xffffffffu;
-    if (plain_temperature(st)) {
-        const double t = (double)st.temperature;
-        for (u32 i = t0; i < hi; i += PT) {
-            const float l = lg[i];
-            if (l != l || l == -INFINITY) continue;
-            const double sc = (double)l / t - log(-log(uniform01(st.seed, position, i)));
-            if (gi == 0xffffffffu || sc > gb) {
-                gb = sc;
-                gi = i;
-            }
-        }
-        block_argmax(gb, gi, shv, shi);
-    }
-    if (threadIdx.x == 0) {
-        SamplePart& o = parts_of(p, it)[z];
-        o.best = best;
-        o.bi = bi;
-        o.z = zz;
-        o.gb = gb;
-        o.gi = gi;
-    }
-    __syncthreads();
-}
-// Blocks of SAMPLE_PART_THREADS (runtime/src/cuda/launch/sample.rs), grid (items or fewer, SAMPLE_PARTS).
 extern "C" __global__ void sample_part(const FpSample p) {
     pdl_start();
     __shared__ double shv[32];
     __shared__ u32 shi[32];
     const FpCommon& c = p.c;
     const u32 items = p.mode == 0 ? c.nstreams * c.window : c.nstreams;
-    for (u32 it = blockIdx.x; it < items; it += gridDim.x) sample_part_item(p, it, blockIdx.y, shv, shi);
+    const u32 z = blockIdx.y;
+    const u32 per = (p.vocab + SAMPLE_PARTS - 1) / SAMPLE_PARTS;
+    const u32 lo = z * per < p.vocab ? z * per : p.vocab, hi = lo + per < p.vocab ? lo + per : p.vocab;
+    for (u32 it = blockIdx.x; it < items; it += gridDim.x) {
+        u32 s, row;
+        u64 position;
+        if (!sample_item(p, it, s, row, position)) continue;
+        const FpStream& st = stream_of(c, s);
+        if (filtered_sampling(st, p.vocab)) continue;  // phase 2 takes the whole row itself
+        const float* lg = fptr(p.logits) + (u64)row * p.vocab;
+        // The thread's logits lo + threadIdx.x + j * blockDim.x in ascending j, SAMPLE_HELD of them loaded at once
+        // (one memory latency for the batch, not one a logit), then taken in that order.
+        double best = -INFINITY;
+        u32 bi = 0xffffffffu;
+        for (u32 b = lo + threadIdx.x; b < hi; b += SAMPLE_HELD * blockDim.x) {
+            float v[SAMPLE_HELD];
+            load_strided(v, b, blockDim.x, hi, -INFINITY, [&](u32 i) { return keyf(lg[i]); });
+#pragma unroll
+            for (int j = 0; j < SAMPLE_HELD; j++) {
+                const float l = v[j];
+                if (l > -INFINITY && (bi == 0xffffffffu || (double)l > best)) {
+                    best = l;
+                    bi = b + j * blockDim.x;
+                }
+            }
+        }
+        block_argmax(best, bi, shv, shi);
+        const double m = bi == 0xffffffffu ? -INFINITY : best;
+        double zz = 0.0;
+        if (m > -INFINITY && m < INFINITY)
+            for (u32 b = lo + threadIdx.x; b < hi; b += SAMPLE_HELD * blockDim.x) {
+                float v[SAMPLE_HELD];
+                load_strided(v, b, blockDim.x, hi, 0.0f, [&](u32 i) { return keyf(lg[i]); });
+#pragma unroll
+                for (int j = 0; j < SAMPLE_HELD; j++)
+                    if (b + j * blockDim.x < hi) zz += exp((double)v[j] - m);
+            }
+        zz = block_sum_d(zz, shv);
+        double gb = -INFINITY;
+        u32 gi = 0xffffffffu;
+        if (plain_temperature(st)) {
+            const double t = (double)st.temperature;
+            for (u32 i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+                const float l = lg[i];
+                if (l != l || l == -INFINITY) continue;
+                const double sc = (double)l / t - log(-log(uniform01(st.seed, position, i)));
+                if (gi == 0xffffffffu || sc > gb) {
+                    gb = sc;
+                    gi = i;
+                }
+            }
+            block_argmax(gb, gi, shv, shi);
+        }
+        if (threadIdx.x == 0) {
+            SamplePart& o = parts_of(p, it)[z];
+            o.best = best;
+            o.bi = bi;
+            o.z = zz;
+            o.gb = gb;
+            o.gi = gi;
+        }
+        __syncthreads();
+    }
 }
 
 // Phase 2 (sample): block per item. Greedy and plain temperature combine the parts in order (ties to the lower id,
 // so the result is the whole row's lowest-id maximum / Gumbel-max); the probability's denominator is
 // sum_z z_z exp(m_z - M) in part order. Filtered sampling runs on the whole row in this block.
-// A part as its block wrote it, read through L2 (sample_one's last block: another SM wrote it in this launch).
-DEV SamplePart load_part_l2(const SamplePart* q) {
-    SamplePart r;
-    r.best = __ldcg(&q->best);
-    r.gb = __ldcg(&q->gb);
-    r.z = __ldcg(&q->z);
-    r.bi = __ldcg(&q->bi);
-    r.gi = __ldcg(&q->gi);
-    return r;
-}
-
-// Item it's phase 2 by the whole block (1024 threads: runtime/src/cuda/launch/sample.rs).
-DEV void sample_combine(const FpSample& p, u32 it) {
+extern "C" __global__ void sample(const FpSample p) {
+    pdl_start();
     __shared__ double shv[32];
     __shared__ u32 shi[32];
     __shared__ SampleShared sh;
@@ -399,122 +379,95 @@ DEV void sample_combine(const FpSample& p, u32 it) {
     __shared__ SamplePart parts_sh[SAMPLE_PARTS];
     __shared__ double ez_sh[SAMPLE_PARTS];
     const FpCommon& c = p.c;
-    u32 s, row;
-    u64 position;
-    if (!sample_item(p, it, s, row, position)) {
-        if (threadIdx.x == 0) {
-            uptr(p.tokens)[it] = 0xffffffffu;
-            fptr(p.probs)[it] = 0.0f;
-        }
-        return;
-    }
-    const FpStream& st = stream_of(c, s);
-    const float* lg = fptr(p.logits) + (u64)row * p.vocab;
-    if (filtered_sampling(st, p.vocab)) {
-        // Greedy arg-max (the fallback when the maximum is not finite), then the filtered sampler.
-        double best = -INFINITY;
-        u32 bi = 0xffffffffu;
-        for (u32 i = threadIdx.x; i < p.vocab; i += blockDim.x) {
-            const float l = keyf(lg[i]);
-            if (l > -INFINITY && (bi == 0xffffffffu || (double)l > best)) {
-                best = l;
-                bi = i;
+    const u32 items = p.mode == 0 ? c.nstreams * c.window : c.nstreams;
+    for (u32 it = blockIdx.x; it < items; it += gridDim.x) {
+        u32 s, row;
+        u64 position;
+        if (!sample_item(p, it, s, row, position)) {
+            if (threadIdx.x == 0) {
+                uptr(p.tokens)[it] = 0xffffffffu;
+                fptr(p.probs)[it] = 0.0f;
             }
+            continue;
         }
-        block_argmax(best, bi, shv, shi);
-        const float maxl = bi == 0xffffffffu ? -INFINITY : (float)best;
-        u32 tok = bi == 0xffffffffu ? 0 : bi;
-        if (maxl < INFINITY && maxl > -INFINITY)
-            tok = sample_filtered(lg, p.vocab, st, position, maxl, tok, sh, shv, shi);
-        double z = 0.0;
-        if (maxl > -INFINITY && maxl < INFINITY)
-            for (u32 i = threadIdx.x; i < p.vocab; i += blockDim.x) z += exp((double)keyf(lg[i]) - (double)maxl);
-        z = block_sum_d(z, shv);
-        if (threadIdx.x == 0) {
-            tok_sh = tok;
-            maxl_sh = maxl;
-            z_sh = z;
-        }
-    } else {
-        // The parts into shared memory at once (one memory latency), their exp(m_z - M) by one thread each; then
-        // one thread combines them in part order, as before.
-        if (threadIdx.x < SAMPLE_PARTS) parts_sh[threadIdx.x] = load_part_l2(parts_of(p, it) + threadIdx.x);
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            const SamplePart* pt = parts_sh;
-            double best = -INFINITY, gb = -INFINITY;
-            u32 bi = 0xffffffffu, gi = 0xffffffffu;
-            for (u32 zi = 0; zi < SAMPLE_PARTS; zi++) {
-                const SamplePart q = pt[zi];
-                if (q.bi != 0xffffffffu && (bi == 0xffffffffu || q.best > best)) {
-                    best = q.best;
-                    bi = q.bi;
-                }
-                if (q.gi != 0xffffffffu && (gi == 0xffffffffu || q.gb > gb)) {
-                    gb = q.gb;
-                    gi = q.gi;
+        const FpStream& st = stream_of(c, s);
+        const float* lg = fptr(p.logits) + (u64)row * p.vocab;
+        if (filtered_sampling(st, p.vocab)) {
+            // Greedy arg-max (the fallback when the maximum is not finite), then the filtered sampler.
+            double best = -INFINITY;
+            u32 bi = 0xffffffffu;
+            for (u32 i = threadIdx.x; i < p.vocab; i += blockDim.x) {
+                const float l = keyf(lg[i]);
+                if (l > -INFINITY && (bi == 0xffffffffu || (double)l > best)) {
+                    best = l;
+                    bi = i;
                 }
             }
+            block_argmax(best, bi, shv, shi);
             const float maxl = bi == 0xffffffffu ? -INFINITY : (float)best;
             u32 tok = bi == 0xffffffffu ? 0 : bi;
-            if (plain_temperature(st) && maxl < INFINITY && maxl > -INFINITY && gi != 0xffffffffu) tok = gi;
-            tok_sh = tok;
-            maxl_sh = maxl;
+            if (maxl < INFINITY && maxl > -INFINITY)
+                tok = sample_filtered(lg, p.vocab, st, position, maxl, tok, sh, shv, shi);
+            double z = 0.0;
+            if (maxl > -INFINITY && maxl < INFINITY)
+                for (u32 i = threadIdx.x; i < p.vocab; i += blockDim.x) z += exp((double)keyf(lg[i]) - (double)maxl);
+            z = block_sum_d(z, shv);
+            if (threadIdx.x == 0) {
+                tok_sh = tok;
+                maxl_sh = maxl;
+                z_sh = z;
+            }
+        } else {
+            // The parts into shared memory at once (one memory latency), their exp(m_z - M) by one thread each; then
+            // one thread combines them in part order, as before.
+            if (threadIdx.x < SAMPLE_PARTS) parts_sh[threadIdx.x] = parts_of(p, it)[threadIdx.x];
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                const SamplePart* pt = parts_sh;
+                double best = -INFINITY, gb = -INFINITY;
+                u32 bi = 0xffffffffu, gi = 0xffffffffu;
+                for (u32 zi = 0; zi < SAMPLE_PARTS; zi++) {
+                    const SamplePart q = pt[zi];
+                    if (q.bi != 0xffffffffu && (bi == 0xffffffffu || q.best > best)) {
+                        best = q.best;
+                        bi = q.bi;
+                    }
+                    if (q.gi != 0xffffffffu && (gi == 0xffffffffu || q.gb > gb)) {
+                        gb = q.gb;
+                        gi = q.gi;
+                    }
+                }
+                const float maxl = bi == 0xffffffffu ? -INFINITY : (float)best;
+                u32 tok = bi == 0xffffffffu ? 0 : bi;
+                if (plain_temperature(st) && maxl < INFINITY && maxl > -INFINITY && gi != 0xffffffffu) tok = gi;
+                tok_sh = tok;
+                maxl_sh = maxl;
+            }
+            __syncthreads();
+            const double maxl = maxl_sh;
+            const bool finite = maxl > -INFINITY && maxl < INFINITY;
+            if (finite && threadIdx.x < SAMPLE_PARTS) ez_sh[threadIdx.x] = exp(parts_sh[threadIdx.x].best - maxl);
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                double z = 0.0;
+                if (finite)
+                    for (u32 zi = 0; zi < SAMPLE_PARTS; zi++) {
+                        const SamplePart& q = parts_sh[zi];
+                        if (q.bi != 0xffffffffu) z += q.z * ez_sh[zi];
+                    }
+                z_sh = z;
+            }
         }
-        __syncthreads();
-        const double maxl = maxl_sh;
-        const bool finite = maxl > -INFINITY && maxl < INFINITY;
-        if (finite && threadIdx.x < SAMPLE_PARTS) ez_sh[threadIdx.x] = exp(parts_sh[threadIdx.x].best - maxl);
         __syncthreads();
         if (threadIdx.x == 0) {
-            double z = 0.0;
-            if (finite)
-                for (u32 zi = 0; zi < SAMPLE_PARTS; zi++) {
-                    const SamplePart& q = parts_sh[zi];
-                    if (q.bi != 0xffffffffu) z += q.z * ez_sh[zi];
-                }
-            z_sh = z;
+            const u32 tok = tok_sh;
+            const double maxl = maxl_sh, z = z_sh;
+            uptr(p.tokens)[it] = tok;
+            float pr = 0.0f;
+            if (maxl > -INFINITY && maxl < INFINITY && tok < p.vocab)
+                pr = (float)(exp((double)keyf(lg[tok]) - maxl) / z);
+            fptr(p.probs)[it] = pr;
         }
+        __syncthreads();
     }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const u32 tok = tok_sh;
-        const double maxl = maxl_sh, z = z_sh;
-        uptr(p.tokens)[it] = tok;
-        float pr = 0.0f;
-        if (maxl > -INFINITY && maxl < INFINITY && tok < p.vocab)
-            pr = (float)(exp((double)keyf(lg[tok]) - maxl) / z);
-        fptr(p.probs)[it] = pr;
-    }
-    __syncthreads();
-}
-// Block per item (1024 threads).
-extern "C" __global__ void sample(const FpSample p) {
-    pdl_start();
-    const FpCommon& c = p.c;
-    const u32 items = p.mode == 0 ? c.nstreams * c.window : c.nstreams;
-    for (u32 it = blockIdx.x; it < items; it += gridDim.x) sample_combine(p, it);
-}
-
-// sample_part and sample in one launch (FLASHPLAN_FUSE_SMALL, up to NODE_COUNTERS items): grid (items,
-// SAMPLE_PARTS) of 1024-thread blocks. Block (it, z) takes part z with its first SAMPLE_PART_THREADS threads, as a
-// sample_part block does, then counts in item it's counter (p.done + 4 it; every thread fences first, as
-// router_last_block does: the part is written by thread 0, the count by thread 0, and the SC fences' order is what
-// makes the pattern valid); the item's last block to count fences again and runs sample's phase 2 for the item
-// (reading the parts through L2). The same arithmetic in the same order as the two launches: the same bits.
-extern "C" __global__ void __launch_bounds__(1024) sample_one(const FpSample p) {
-    pdl_start();
-    __shared__ double shv[32];
-    __shared__ u32 shi[32];
-    __shared__ u32 last;
-    const u32 it = blockIdx.x;
-    sample_part_item(p, it, blockIdx.y, shv, shi);
-    __threadfence();  // this block's part, device-wide, before its count
-    __syncthreads();
-    // atomicInc wraps to 0 at the last block's count: the counter is 0 again for the next launch.
-    if (threadIdx.x == 0) last = atomicInc(uptr(p.done) + it, SAMPLE_PARTS - 1) == SAMPLE_PARTS - 1 ? 1u : 0u;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();  // every other block of the item counted after its fence: their parts are visible from here
-    sample_combine(p, it);
 }

@@ -416,7 +416,6 @@ mod tests {
             "shared_expert_t1",
             "shared_expert_t4",
             "sample",
-            "sample_one",
             "keep_count",
             "read_floor",
         ] {

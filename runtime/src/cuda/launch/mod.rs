@@ -375,6 +375,6 @@ fn node_spec(a: &Addrs, v: &Variant, node: usize, op: &Op) -> Result<LaunchSpec,
         Op::Router { .. } => router_spec(a, v, node, op),
         Op::Experts { .. } => experts_spec(a, v, node, op, 0),
         Op::SharedExpert { .. } => shared_expert_spec(a, v, op, None),
-        Op::Sample { .. } | Op::KeepCount { .. } => sample::spec(a, v, node, op),
+        Op::Sample { .. } | Op::KeepCount { .. } => sample::spec(a, v, op),
     }
 }

@@ -593,54 +593,6 @@ fn rms_norm_blocks_hold_a_group_in_one_batch_of_loads() {
 }
 
 #[test]
-fn a_sample_of_few_items_is_one_launch_counting_in_its_node_counters() {
-    // With FLASHPLAN_FUSE_SMALL: sample_one, grid (items, 64 parts) of 1024 threads, counting in the node's
-    // counters; without: sample_part (256 threads) then sample (block per item, 1024 threads), no counter. Every
-    // other parameter the same.
-    let (fused, plain) = (tiny_specs(true), tiny_specs(false));
-    let mut seen = 0;
-    for ((v, f), (_, p)) in fused.iter().zip(&plain) {
-        for (i, n) in v.nodes.iter().enumerate() {
-            let Op::Sample { .. } = n.op else {
-                continue;
-            };
-            let what = format!("{} node {i}", v.kind.name());
-            let (f, p) = (f[i].as_ref().expect("fused"), p[i].as_ref().expect("plain"));
-            let items = p.grid.0;
-            assert_eq!(p.kernel, "sample_part", "{what}");
-            assert_eq!((p.grid, p.block), ((items, 64, 1), (256, 1, 1)), "{what}");
-            assert_eq!(p.then, vec![("sample", (items, 1, 1), 1024)], "{what}");
-            if items > NODE_COUNTERS {
-                // More items than counters: the two launches either way.
-                assert_eq!(
-                    (f.kernel, f.grid, &f.then),
-                    (p.kernel, p.grid, &p.then),
-                    "{what}"
-                );
-                continue;
-            }
-            assert_eq!(f.kernel, "sample_one", "{what}");
-            assert_eq!((f.grid, f.block), ((items, 64, 1), (1024, 1, 1)), "{what}");
-            assert!(f.then.is_empty(), "{what}");
-            let (a, b): (FpSample, FpSample) = (params_of(f), params_of(p));
-            assert_eq!(
-                a.done,
-                0x5000_0000 + 4 * NODE_COUNTERS as u64 * i as u64,
-                "{what}"
-            );
-            assert_eq!(b.done, 0, "{what}");
-            assert_eq!(
-                (a.logits, a.tokens, a.probs, a.mode, a.vocab),
-                (b.logits, b.tokens, b.probs, b.mode, b.vocab),
-                "{what}"
-            );
-            seen += 1;
-        }
-    }
-    assert!(seen > 0, "no Sample nodes");
-}
-
-#[test]
 fn a_copy_read_again_later_keeps_its_own_launch() {
     // The guard of `fuse_row_norms`: an MTP step's gathered input streams read by a node after their norm (here a
     // second norm of them into a buffer of its own) must stay written, so gather_rows keeps its launch and the norm
