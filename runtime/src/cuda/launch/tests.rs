@@ -568,7 +568,7 @@ fn rms_norm_blocks_hold_a_group_in_one_batch_of_loads() {
     assert_eq!(super::rows::rms_norm_threads(1 << 20), 1024);
     for group in [1, 100, 2560, 4096, 4097, 10_240, 16_384] {
         let t = super::rows::rms_norm_threads(group);
-        assert!(t % 32 == 0 && (256..=1024).contains(&t), "{group}: {t}");
+        assert!(t.is_multiple_of(32) && (256..=1024).contains(&t), "{group}: {t}");
         assert!(group.div_ceil(t) <= 16 || t == 1024, "{group}: {t}");
     }
     // The launches take it from the node's group, fused or not (the tiny plan's groups: 256 threads).
