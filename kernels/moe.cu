@@ -1,9 +1,9 @@
 // Mixture of experts, each op in two launches (the runtime launches both for one node), the router in one:
-// - router (logits of every row into scratch [rows, experts], warp per MOE_NPW experts (one at one row); with
-//   router_topk, tiles of at most 4 rows over blockIdx.y); its last block to finish (integer count in the node's
-//   `done` counter) does the top-k of every row, warp per row (softmax, repeated argmax with the lowest index on
-//   ties, renormalised in rank order). With done == 0 (FLASHPLAN_FUSE_SMALL=0) router_topk does the same as a second
-//   launch (block per row, radix select): the same values bit for bit;
+// - router (logits of every row into scratch [rows, experts], warp per expert; with router_topk, tiles of at most 4
+//   rows over blockIdx.y); its last block to finish (integer count in the node's `done` counter) does the top-k of
+//   every row, warp per row (softmax, repeated argmax with the lowest index on ties, renormalised in rank order).
+//   With done == 0 (FLASHPLAN_FUSE_SMALL=0) router_topk does the same as a second launch (block per row, radix
+//   select): the same values bit for bit;
 // - experts (warp per (two pairs of intermediate features, row, rank), feature-major: silu(gate x) * up x into
 //   scratch) then experts_down or experts_down_f4 (warp per (one or four output features, row): four groups of 8
 //   lanes take the ranks, summed in rank order); feature-major, so rows routed to one expert read its rows side by
@@ -19,9 +19,8 @@
 
 #define MOE_MAX_EXPERTS 1024
 #define MOE_MAX_TOPK 32
-#define MOE_NPW 2
 
-template <int T, int NPW = MOE_NPW, int U = 4, bool PRE = false>
+template <int T, int NPW, int U, bool PRE>
 DEV void router_t(const FpRouter& p, u32 R) {
     const FpCommon& c = p.c;
     const u32 lane = threadIdx.x & 31;
@@ -258,21 +257,24 @@ DEV void router_last_block(const FpRouter& p, u32 R) {
     }
 }
 
-// Entry points per row tile (router_t1 .. router_t8: up to 8 rows in one launch, beyond that tiles of 4 rows over
-// blockIdx.y with router_topk following). router_t1 gives a warp one expert and a lane its 10 chunks of the row
-// (K = 2560 at the real width) in flight at once, 8 experts a block (runtime/src/cuda/launch/moe.rs
-// `router_experts_per_block`; H200: 10.9 -> 10.6 us a node); the others a warp MOE_NPW experts, 4 chunks per row in
-// flight. An expert's logit is the same warp_dots sum either way.
-template <int T, int NPW = MOE_NPW, int U = 4, bool PRE = false, bool BLK = false>
+// Entry points per row tile (router_t1 .. router_t8: up to 8 rows in one launch, beyond that router_t4 in tiles of
+// 4 rows over blockIdx.y with router_topk following). A warp takes one expert, 8 experts a block
+// (runtime/src/cuda/launch/moe.rs `ROUTER_EXPERTS_PER_BLOCK`), and loads each batch's activation chunks with its
+// weights (`PRE`): router_t1 a lane's 10 chunks of the row (K = 2560 at the real width) at once, router_t2 4, router_t4
+// 2 and router_t8 1 chunk of every row (so the batch's activations stay in 128 registers a thread: two blocks an SM).
+// An expert's logit is the same warp_dots sum in every form. H200, 2026-12-01, the replay of lone-wR against the
+// earlier warp per 2 experts with each chunk's activations loaded just before its dots: w2 995 -> 986 us, w4
+// 1246 -> 1225, w8 1701 -> 1648, w16 2522 -> 2496-2501 (the router's node at 16 rows 54.5 -> 49.8 us).
+template <int T, int NPW, int U, bool PRE, bool BLK = false>
 DEV void router_entry(const FpRouter& p) {
     const u32 R = p.c.nstreams * p.c.window;
     router_t<T, NPW, U, PRE>(p, R);
     if (p.done) router_last_block<BLK>(p, R);
 }
 extern "C" __global__ void router_t1(const FpRouter p) { pdl_start(); router_entry<1, 1, 10, true, true>(p); }
-extern "C" __global__ void router_t2(const FpRouter p) { pdl_start(); router_entry<2>(p); }
-extern "C" __global__ void router_t4(const FpRouter p) { pdl_start(); router_entry<4>(p); }
-extern "C" __global__ void router_t8(const FpRouter p) { pdl_start(); router_entry<8>(p); }
+extern "C" __global__ void router_t2(const FpRouter p) { pdl_start(); router_entry<2, 1, 4, true>(p); }
+extern "C" __global__ void router_t4(const FpRouter p) { pdl_start(); router_entry<4, 1, 2, true>(p); }
+extern "C" __global__ void router_t8(const FpRouter p) { pdl_start(); router_entry<8, 1, 1, true>(p); }
 
 // Block per row (ROUTER_TOPK_THREADS threads) over the logits in scratch, thread per expert: p = softmax (block max and block sum, fixed trees);
 // the top-k by (p descending, id ascending), as repeated argmax with lowest-id ties: radix select of the k-th

@@ -31,15 +31,8 @@ const ROUTER_ONE_LAUNCH_ROWS: u32 = 8;
 /// Most routed experts per row (`MOE_MAX_TOPK` in `kernels/moe.cu`).
 const MOE_MAX_TOPK: u32 = 32;
 
-/// Router experts per block of 8 warps for the logits entry point `logits` (kernels/moe.cu): a warp takes one
-/// expert in `router_t1`, `MOE_NPW` = 2 in the others.
-fn router_experts_per_block(logits: &str) -> u32 {
-    if logits == "router_t1" {
-        8
-    } else {
-        16
-    }
-}
+/// Router experts per block of 8 warps (kernels/moe.cu `router_t1` .. `router_t8`: a warp per expert).
+const ROUTER_EXPERTS_PER_BLOCK: u32 = 8;
 
 /// Blocks of `experts` (the gate/up) resident on one SM: 256 threads of 128 registers (what ptxas gives it; it has no
 /// launch bound, and `__launch_bounds__(256, 2)` changed its code, unmeasured) fill half the register file. Were the
@@ -331,7 +324,7 @@ pub(super) fn router_spec(
         one(
             logits,
             bytes(&p),
-            experts.div_ceil(router_experts_per_block(logits)),
+            experts.div_ceil(ROUTER_EXPERTS_PER_BLOCK),
             256,
         )
     } else {
@@ -339,7 +332,7 @@ pub(super) fn router_spec(
         LaunchSpec::new(
             logits,
             bytes(&p),
-            (experts.div_ceil(router_experts_per_block(logits)), tiles, 1),
+            (experts.div_ceil(ROUTER_EXPERTS_PER_BLOCK), tiles, 1),
             256,
         )
         .then("router_topk", rows, ROUTER_TOPK_THREADS)

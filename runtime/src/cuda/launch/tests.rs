@@ -568,7 +568,10 @@ fn rms_norm_blocks_hold_a_group_in_one_batch_of_loads() {
     assert_eq!(super::rows::rms_norm_threads(1 << 20), 1024);
     for group in [1, 100, 2560, 4096, 4097, 10_240, 16_384] {
         let t = super::rows::rms_norm_threads(group);
-        assert!(t.is_multiple_of(32) && (256..=1024).contains(&t), "{group}: {t}");
+        assert!(
+            t.is_multiple_of(32) && (256..=1024).contains(&t),
+            "{group}: {t}"
+        );
         assert!(group.div_ceil(t) <= 16 || t == 1024, "{group}: {t}");
     }
     // The launches take it from the node's group, fused or not (the tiny plan's groups: 256 threads).
@@ -590,6 +593,48 @@ fn rms_norm_blocks_hold_a_group_in_one_batch_of_loads() {
         }
     }
     assert!(seen > 0, "no RmsNorm launches");
+}
+
+#[test]
+fn router_blocks_take_8_experts_at_every_row_count() {
+    // A warp per expert in every router entry point: 8 experts a block of 8 warps; one launch up to 8 rows with
+    // FLASHPLAN_FUSE_SMALL, else router_t4 (from 4 rows) in tiles of 4 rows over the grid's y, then router_topk.
+    let mut seen = std::collections::BTreeSet::new();
+    for fuse_small in [false, true] {
+        for (v, specs) in tiny_specs(fuse_small) {
+            let (streams, window) = v.kind.shape();
+            let rows = streams * window;
+            for (n, sp) in v.nodes.iter().zip(&specs) {
+                let Op::Router { experts, .. } = n.op else {
+                    continue;
+                };
+                let sp = sp.as_ref().expect("router launched");
+                let what = format!("{} ({rows} rows, fuse_small {fuse_small})", v.kind.name());
+                assert_eq!(sp.block, (256, 1, 1), "{what}");
+                assert_eq!(sp.grid.0, experts.div_ceil(8), "{what}");
+                let tile = match rows {
+                    0..=1 => 1,
+                    2 => 2,
+                    3..=4 => 4,
+                    5..=8 => 8,
+                    _ => 16,
+                };
+                if fuse_small && rows <= 8 {
+                    assert_eq!(sp.kernel, format!("router_t{tile}"), "{what}");
+                    assert_eq!(sp.grid.1, 1, "{what}");
+                    assert!(sp.then.is_empty(), "{what}");
+                } else {
+                    let tile = tile.min(4);
+                    assert_eq!(sp.kernel, format!("router_t{tile}"), "{what}");
+                    assert_eq!(sp.grid.1, rows.div_ceil(tile), "{what}");
+                    assert_eq!(sp.then.len(), 1, "{what}");
+                    assert_eq!(sp.then[0].0, "router_topk", "{what}");
+                }
+                seen.insert(rows);
+            }
+        }
+    }
+    assert!(seen.len() >= 3, "row counts seen: {seen:?}");
 }
 
 #[test]
