@@ -486,7 +486,7 @@ DEV void slice_bounds(u32 K, u32 S, u32 sl, u32& ka, u32& kb) {
     ka = sl * per < K ? sl * per : K;
     kb = ka + per < K ? ka + per : K;
 }
-template <int T, int NPW, int U, class Row>
+template <int T, int NPW, int U, class Row, bool PRE = false>
 DEV void slice_dots_rows(const Row* w, u32 nm, const float* X, u64 xs, const bool* ok, u32 K, u32 S, bool wvec,
                          u32 lane, u32 warp, float (*part)[NPW][T]) {
     u32 ka, kb;
@@ -495,7 +495,7 @@ DEV void slice_dots_rows(const Row* w, u32 nm, const float* X, u64 xs, const boo
 #pragma unroll
     for (int m = 0; m < NPW; m++) ws[m] = w[m].from(ka);
     float res[NPW][T];
-    warp_dots_rows<T, NPW, U>(ws, nm, X + ka, xs, ok, kb - ka, wvec, lane, res);
+    warp_dots_rows<T, NPW, U, Row, PRE>(ws, nm, X + ka, xs, ok, kb - ka, wvec, lane, res);
     if (lane == 0)
 #pragma unroll
         for (int m = 0; m < NPW; m++)
@@ -503,13 +503,13 @@ DEV void slice_dots_rows(const Row* w, u32 nm, const float* X, u64 xs, const boo
             for (int t = 0; t < T; t++) part[warp][m][t] = res[m][t];
 }
 // slice_dots_rows over BF16 rows given by their first weights.
-template <int T, int NPW, int U>
+template <int T, int NPW, int U, bool PRE = false>
 DEV void slice_dots(const bf16_t* const* w, u32 nm, const float* X, u64 xs, const bool* ok, u32 K, u32 S, bool wvec,
                     u32 lane, u32 warp, float (*part)[NPW][T]) {
     Bf16Row r[NPW];
 #pragma unroll
     for (int m = 0; m < NPW; m++) r[m].p = w[m];
-    slice_dots_rows<T, NPW, U>(r, nm, X, xs, ok, K, S, wvec, lane, warp, part);
+    slice_dots_rows<T, NPW, U, Bf16Row, PRE>(r, nm, X, xs, ok, K, S, wvec, lane, warp, part);
 }
 template <int T, int NPW>
 DEV float slice_sum(float (*part)[NPW][T], u32 g, u32 S, u32 m, u32 t) {

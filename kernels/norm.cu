@@ -276,7 +276,7 @@ extern "C" __global__ void hc_norm(const FpHcRead p) {
     }
 }
 
-template <int T, int NPW, int U>
+template <int T, int NPW, int U, bool PRE = false>
 DEV void hc_read_t(const FpHcRead& p, u32 nrows) {
     __shared__ float part[SPLIT_WARPS][NPW][T];
     const FpCommon& c = p.c;
@@ -299,7 +299,7 @@ DEV void hc_read_t(const FpHcRead& p, u32 nrows) {
             bool ok[T];
 #pragma unroll
             for (int t = 0; t < T; t++) ok[t] = i0 + t < nrows && row_ok(c, i0 + t, p.gathered);
-            slice_dots<T, NPW, U>(w, nm, hn + (u64)i0 * W, W, ok, W, S, wvec, lane, warp, part);
+            slice_dots<T, NPW, U, PRE>(w, nm, hn + (u64)i0 * W, W, ok, W, S, wvec, lane, warp, part);
             __syncthreads();
             for (u32 k = threadIdx.x; k < NPW * T; k += blockDim.x) {
                 const u32 m = k / T, t = k % T, q = q0 + m, r = i0 + t;
@@ -315,12 +315,14 @@ DEV void hc_read_t(const FpHcRead& p, u32 nrows) {
     }
 }
 
-// Entry points per row tile (hc_read_t1, _t2, _t4 with 2 outputs per block; beyond 4 rows hc_read_t4_wide with 4,
-// the launch adding tiles over blockIdx.y). 16 weight chunks per lane in flight either way.
+// Entry points per row tile (hc_read_t1, _t2, _t4 with 2 outputs per block, 16 weight chunks per lane in flight;
+// beyond 4 rows hc_read_t4_wide with 4, the launch adding tiles over blockIdx.y: one chunk of each weight row and of
+// each activation row in flight at a time, all loaded together (`PRE`; 80 registers, three blocks an SM, where the
+// 4 chunks of the weights with each activation chunk loaded just before its dots took 128).
 extern "C" __global__ void hc_read_t1(const FpHcRead p) { pdl_start(); hc_read_t<1, 2, 8>(p, hc_rows(p)); }
 extern "C" __global__ void hc_read_t2(const FpHcRead p) { pdl_start(); hc_read_t<2, 2, 8>(p, hc_rows(p)); }
 extern "C" __global__ void hc_read_t4(const FpHcRead p) { pdl_start(); hc_read_t<4, 2, 8>(p, hc_rows(p)); }
-extern "C" __global__ void hc_read_t4_wide(const FpHcRead p) { pdl_start(); hc_read_t<4, 4, 4>(p, hc_rows(p)); }
+extern "C" __global__ void hc_read_t4_wide(const FpHcRead p) { pdl_start(); hc_read_t<4, 4, 1, true>(p, hc_rows(p)); }
 
 // The mix on tensor cores: the gates G = lo up^T [rows, C*D] are a linear of K = rank (linear.cuh
 // `linear_tc_rows`) over `up` tiled feature-major (runtime/src/cuda/weights.rs `tile_hc_up`: gate row d*C + c), so
