@@ -442,5 +442,76 @@ mod tests {
         }
         let mods = compile_kernels("sm_90a").unwrap_or_else(|e| panic!("{e}"));
         assert!(mods.iter().all(|m| !m.cubin.is_empty()));
+        // The kernels the runtime launches in blocks of up to 1024 threads (runtime/src/cuda/launch: `rms_norm*` by
+        // `rows::rms_norm_threads`, add_broadcast, router_topk, indexer_select, sample) have no launch bound (one
+        // made ptxas spill in the norms), so nothing else stops ptxas from giving them more than the 64 registers a
+        // thread that a 1024-thread block can have (65536 an SM): the launch would then fail on the GPU.
+        let regs: std::collections::HashMap<String, u32> = mods
+            .iter()
+            .flat_map(|m| register_counts(&m.cubin))
+            .collect();
+        for k in [
+            "rms_norm",
+            "rms_norm_embed",
+            "rms_norm_gather",
+            "add_broadcast",
+            "router_topk",
+            "indexer_select",
+            "sample",
+        ] {
+            let n = regs
+                .get(k)
+                .unwrap_or_else(|| panic!("no register count for {k}"));
+            assert!(
+                *n <= 64,
+                "{k}: {n} registers a thread; blocks of 1024 threads allow 64"
+            );
+        }
+    }
+
+    /// Registers a thread of each entry point of a cubin: the EIATTR_REGCOUNT records (attribute 0x2f, a symbol index
+    /// and a count) of its `.nv.info` section, named through `.symtab` (the same reading as scripts/sass.sh).
+    fn register_counts(cubin: &[u8]) -> Vec<(String, u32)> {
+        let u16_at = |o: usize| u16::from_le_bytes([cubin[o], cubin[o + 1]]) as usize;
+        let u32_at = |o: usize| u32::from_le_bytes(cubin[o..o + 4].try_into().expect("4 bytes"));
+        let u64_at =
+            |o: usize| u64::from_le_bytes(cubin[o..o + 8].try_into().expect("8 bytes")) as usize;
+        let (shoff, shent, shnum, shstr) = (u64_at(0x28), u16_at(0x3A), u16_at(0x3C), u16_at(0x3E));
+        // (name offset, offset, size) of each section.
+        let secs: Vec<(usize, usize, usize)> = (0..shnum)
+            .map(|i| {
+                let h = shoff + i * shent;
+                (u32_at(h) as usize, u64_at(h + 0x18), u64_at(h + 0x20))
+            })
+            .collect();
+        let cstr = |o: usize| {
+            let end = o + cubin[o..].iter().position(|&b| b == 0).expect("NUL");
+            String::from_utf8_lossy(&cubin[o..end]).into_owned()
+        };
+        let section = |name: &str| {
+            secs.iter()
+                .find(|s| cstr(secs[shstr].1 + s.0) == name)
+                .map(|s| (s.1, s.2))
+                .unwrap_or_else(|| panic!("no {name} section"))
+        };
+        let ((symtab, symsize), (strtab, _), (info, infosize)) =
+            (section(".symtab"), section(".strtab"), section(".nv.info"));
+        let sym = |i: usize| cstr(strtab + u32_at(symtab + 24 * i) as usize);
+        assert!(symsize % 24 == 0);
+        let mut out = Vec::new();
+        let mut o = info;
+        while o < info + infosize {
+            let (fmt, attr, size) = (cubin[o], cubin[o + 1], u16_at(o + 2));
+            if fmt == 4 {
+                // EIFMT_SVAL: an attribute with a payload of `size` bytes.
+                if attr == 0x2f {
+                    out.push((sym(u32_at(o + 4) as usize), u32_at(o + 8)));
+                }
+                o += 4 + size;
+            } else {
+                o += 4;
+            }
+        }
+        out
     }
 }

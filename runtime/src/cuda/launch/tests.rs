@@ -574,9 +574,15 @@ fn rms_norm_blocks_hold_a_group_in_one_batch_of_loads() {
         );
         assert!(group.div_ceil(t) <= 16 || t == 1024, "{group}: {t}");
     }
-    // The launches take it from the node's group, fused or not (the tiny plan's groups: 256 threads).
-    let mut seen = 0;
-    for ((v, plain), (_, fused)) in tiny_specs(false).iter().zip(&tiny_specs(true)) {
+    // The launches take it from the node's group, fused or not: the tiny plan widened to a hidden size of 2048, whose
+    // MTP input norm (4 streams: a group of 8192) takes 512 threads, its other norms 256.
+    let body = wide_tiny_plan();
+    let (plain, fused) = (
+        specs_of(&body, false, SIDE_SCRATCH, 132),
+        specs_of(&body, true, SIDE_SCRATCH, 132),
+    );
+    let mut seen = std::collections::BTreeSet::new();
+    for ((v, plain), (_, fused)) in plain.iter().zip(&fused) {
         for (i, n) in v.nodes.iter().enumerate() {
             let Op::RmsNorm { group, .. } = n.op else {
                 continue;
@@ -588,20 +594,36 @@ fn rms_norm_blocks_hold_a_group_in_one_batch_of_loads() {
                     "{}",
                     s.kernel
                 );
-                seen += 1;
+                seen.insert((s.kernel, group, s.block.0));
             }
         }
     }
-    assert!(seen > 0, "no RmsNorm launches");
+    assert!(
+        seen.contains(&("rms_norm", 8192, 512)) && seen.contains(&("rms_norm_gather", 8192, 512)),
+        "the MTP input norm at 512 threads, fused and not: {seen:?}"
+    );
+    assert!(
+        seen.iter().any(|&(_, g, t)| g == 2048 && t == 256),
+        "{seen:?}"
+    );
+}
+
+/// The tiny plan at a hidden size of 2048 with 64 experts: wide enough that launch shapes depend on the sizes.
+fn wide_tiny_plan() -> PlanBody {
+    crate::cuda::fuse::tests::tiny_plan_with(|j| {
+        j["num_experts"] = 64.into();
+        j["hidden_size"] = 2048.into();
+    })
 }
 
 #[test]
 fn router_blocks_take_8_experts_at_every_row_count() {
     // A warp per expert in every router entry point: 8 experts a block of 8 warps; one launch up to 8 rows with
     // FLASHPLAN_FUSE_SMALL, else router_t4 (from 4 rows) in tiles of 4 rows over the grid's y, then router_topk.
+    let body = wide_tiny_plan();
     let mut seen = std::collections::BTreeSet::new();
     for fuse_small in [false, true] {
-        for (v, specs) in tiny_specs(fuse_small) {
+        for (v, specs) in specs_of(&body, fuse_small, SIDE_SCRATCH, 132) {
             let (streams, window) = v.kind.shape();
             let rows = streams * window;
             for (n, sp) in v.nodes.iter().zip(&specs) {
@@ -611,7 +633,8 @@ fn router_blocks_take_8_experts_at_every_row_count() {
                 let sp = sp.as_ref().expect("router launched");
                 let what = format!("{} ({rows} rows, fuse_small {fuse_small})", v.kind.name());
                 assert_eq!(sp.block, (256, 1, 1), "{what}");
-                assert_eq!(sp.grid.0, experts.div_ceil(8), "{what}");
+                assert_eq!(experts, 64, "{what}");
+                assert_eq!(sp.grid.0, 8, "{what}");
                 let tile = match rows {
                     0..=1 => 1,
                     2 => 2,
@@ -903,6 +926,42 @@ fn only_the_mxfp8_deep_linear_runs_in_one_wave_of_its_two_blocks_an_sm() {
         let entry = linear_entry(16, k, split);
         assert_eq!(linear_grid(blocks, 16, entry, mxfp8, 132), blocks);
     }
+}
+
+#[test]
+fn the_mxfp8_lm_head_of_one_row_launches_one_wave_and_the_bf16_one_every_block() {
+    // The tiny plan at the real hidden size and vocabulary: its one-row lm_head (2560 x 248320) runs deep, BF16 in
+    // 3880 blocks, held as MXFP8 in one wave of 2 blocks on each of 132 SMs (`linear_grid` through `spec`).
+    let body = crate::cuda::fuse::tests::tiny_plan_with(|j| {
+        j["vocab_size"] = 248_320.into();
+        j["hidden_size"] = 2560.into();
+    });
+    let bf = specs_with(&body, true, SIDE_SCRATCH, 132, true, false);
+    let mx = specs_with(&body, true, SIDE_SCRATCH, 132, true, true);
+    let mut seen = 0;
+    for ((v, b), (_, m)) in bf.iter().zip(&mx) {
+        for (i, n) in v.nodes.iter().enumerate() {
+            let Op::Linear { n: 248_320, .. } = n.op else {
+                continue;
+            };
+            let (Some(b), Some(m)) = (&b[i], &m[i]) else {
+                continue;
+            };
+            if b.kernel != "linear_t1_deep" {
+                continue;
+            }
+            let what = format!("{} node {i}", v.kind.name());
+            assert_eq!(
+                (b.grid, m.kernel),
+                ((3880, 1, 1), "linear_mxfp8_t1_deep"),
+                "{what}"
+            );
+            assert_eq!(m.grid, (264, 1, 1), "{what}");
+            assert_eq!(m.params, b.params, "{what}");
+            seen += 1;
+        }
+    }
+    assert!(seen > 0, "no one-row lm_head");
 }
 
 #[test]
