@@ -400,7 +400,8 @@ DEV void batch_dots(const typename Row::raw_t (&wv)[U][NPW], const float4* xr, c
 // PRE: also load the batch's activation chunks (U x T x 8 floats in registers) before any dot, as predicated loads
 // after the weights', instead of each chunk's just before its dots (the compiler keeps those under the chunk's
 // branch: one L1/L2 latency after another). Where the registers are free: launches of one block an SM, or few
-// chunks in flight for many rows (moe.cu's routers keep U x T at most 10). The arithmetic is the same.
+// chunks in flight for many rows (moe.cu's routers keep U x T at most 10; norm.cu's hc_read_t4_wide has U = 1). The
+// arithmetic is the same.
 template <int T, int NPW, int U, class Row, bool PRE = false>
 DEV void warp_dots_rows(const Row* w, u32 nm, const float* X, u64 xs, const bool* ok, u32 K, bool wvec, u32 lane,
                         float (&res)[NPW][T]) {

@@ -263,8 +263,9 @@ DEV void router_last_block(const FpRouter& p, u32 R) {
 // weights (`PRE`): router_t1 a lane's 10 chunks of the row (K = 2560 at the real width) at once, router_t2 4, router_t4
 // 2 and router_t8 1 chunk of every row (so the batch's activations stay in 128 registers a thread: two blocks an SM).
 // An expert's logit is the same warp_dots sum in every form. H200, 2026-12-01, the replay of lone-wR against the
-// earlier warp per 2 experts with each chunk's activations loaded just before its dots: w2 995 -> 986 us, w4
-// 1246 -> 1225, w8 1701 -> 1648, w16 2522 -> 2496-2501 (the router's node at 16 rows 54.5 -> 49.8 us).
+// earlier warp per 2 experts with each chunk's activations loaded just before its dots (A/B ranges): w2 995-1003 ->
+// 986 us, w4 1246-1252 -> 1225, w8 1692-1701 -> 1644-1648, w16 2522-2530 -> 2496-2501 (the router's node at 16 rows
+// 54.2-55.4 -> 49.6-50.4 us).
 template <int T, int NPW, int U, bool PRE, bool BLK = false>
 DEV void router_entry(const FpRouter& p) {
     const u32 R = p.c.nstreams * p.c.window;

@@ -290,8 +290,9 @@ pub(super) fn linear_grid(blocks: u32, total: u32, entry: &str, mxfp8: bool, sms
 }
 
 /// Parameters and launch of a `Linear` node: the BF16 `linear` entry point of its rows, or `linear_mxfp8`'s when its
-/// weight is held as MXFP8 tiles (the same body, parameters, split of K, grid and row split: bit-identical results on
-/// the same values), one wave at one or two rows, after the row split from two rows on.
+/// weight is held as MXFP8 tiles (the same body, parameters, split of K and row split: bit-identical results on the
+/// same values), its grid from [`linear_grid`] (one wave at one or two rows, and for `linear_mxfp8_t1_deep`), after
+/// the row split from two rows on.
 pub(super) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, BackendError> {
     let Op::Linear { w, n, .. } = op else {
         return Err(wrong_op("linear", op));
