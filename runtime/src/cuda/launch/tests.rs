@@ -619,7 +619,8 @@ fn wide_tiny_plan() -> PlanBody {
 #[test]
 fn router_blocks_take_8_experts_at_every_row_count() {
     // A warp per expert in every router entry point: 8 experts a block of 8 warps; one launch up to 8 rows with
-    // FLASHPLAN_FUSE_SMALL, else router_t4 (from 4 rows) in tiles of 4 rows over the grid's y, then router_topk.
+    // FLASHPLAN_FUSE_SMALL, else the row tile's entry (router_t4 from 3 rows) in tiles of at most 4 rows over the
+    // grid's y, then router_topk.
     let body = wide_tiny_plan();
     let mut seen = std::collections::BTreeSet::new();
     for fuse_small in [false, true] {
