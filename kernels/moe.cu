@@ -20,7 +20,9 @@
 #define MOE_MAX_EXPERTS 1024
 #define MOE_MAX_TOPK 32
 
-template <int T, int NPW, int U, bool PRE>
+// The logits of rows i0 .. of every expert: a warp per expert (8 a block: runtime/src/cuda/launch/moe.rs
+// `ROUTER_EXPERTS_PER_BLOCK`), the rows in tiles of T, tile blockIdx.y first.
+template <int T, int U, bool PRE>
 DEV void router_t(const FpRouter& p, u32 R) {
     const FpCommon& c = p.c;
     const u32 lane = threadIdx.x & 31;
@@ -28,24 +30,18 @@ DEV void router_t(const FpRouter& p, u32 R) {
     const u32 nwarps = (gridDim.x * blockDim.x) >> 5;
     const bool wvec = (p.dim & 7) == 0 && (p.gate & 15) == 0;
     float* L = fptr(c.scratch);
-    for (u32 e0 = gw * NPW; e0 < p.experts; e0 += nwarps * NPW) {
-        const u32 nm = p.experts - e0 < NPW ? p.experts - e0 : NPW;
-        const bf16_t* w[NPW];
-#pragma unroll
-        for (int m = 0; m < NPW; m++)
-            w[m] = (const bf16_t*)p.gate + (u64)(e0 + ((u32)m < nm ? m : 0)) * p.dim;
+    for (u32 e = gw; e < p.experts; e += nwarps) {
+        const bf16_t* w[1] = {(const bf16_t*)p.gate + (u64)e * p.dim};
         for (u32 i0 = blockIdx.y * T; i0 < R; i0 += gridDim.y * T) {
             bool ok[T];
 #pragma unroll
             for (int t = 0; t < T; t++) ok[t] = i0 + t < R && row_ok(c, i0 + t, false);
-            float res[NPW][T];
-            warp_dots<T, NPW, U, PRE>(w, nm, fptr(p.x) + (u64)i0 * p.dim, p.dim, ok, p.dim, wvec, lane, res);
+            float res[1][T];
+            warp_dots<T, 1, U, PRE>(w, 1, fptr(p.x) + (u64)i0 * p.dim, p.dim, ok, p.dim, wvec, lane, res);
             if (lane == 0)
 #pragma unroll
-                for (int m = 0; m < NPW; m++)
-#pragma unroll
-                    for (int t = 0; t < T; t++)
-                        if ((u32)m < nm && ok[t]) L[(u64)(i0 + t) * p.experts + e0 + m] = res[m][t];
+                for (int t = 0; t < T; t++)
+                    if (ok[t]) L[(u64)(i0 + t) * p.experts + e] = res[0][t];
         }
     }
 }
@@ -266,16 +262,16 @@ DEV void router_last_block(const FpRouter& p, u32 R) {
 // earlier warp per 2 experts with each chunk's activations loaded just before its dots (A/B ranges): w2 995-1003 ->
 // 986 us, w4 1246-1252 -> 1225, w8 1692-1701 -> 1644-1648, w16 2522-2530 -> 2496-2501 (the router's node at 16 rows
 // 54.2-55.4 -> 49.6-50.4 us).
-template <int T, int NPW, int U, bool PRE, bool BLK = false>
+template <int T, int U, bool PRE, bool BLK = false>
 DEV void router_entry(const FpRouter& p) {
     const u32 R = p.c.nstreams * p.c.window;
-    router_t<T, NPW, U, PRE>(p, R);
+    router_t<T, U, PRE>(p, R);
     if (p.done) router_last_block<BLK>(p, R);
 }
-extern "C" __global__ void router_t1(const FpRouter p) { pdl_start(); router_entry<1, 1, 10, true, true>(p); }
-extern "C" __global__ void router_t2(const FpRouter p) { pdl_start(); router_entry<2, 1, 4, true>(p); }
-extern "C" __global__ void router_t4(const FpRouter p) { pdl_start(); router_entry<4, 1, 2, true>(p); }
-extern "C" __global__ void router_t8(const FpRouter p) { pdl_start(); router_entry<8, 1, 1, true>(p); }
+extern "C" __global__ void router_t1(const FpRouter p) { pdl_start(); router_entry<1, 10, true, true>(p); }
+extern "C" __global__ void router_t2(const FpRouter p) { pdl_start(); router_entry<2, 4, true>(p); }
+extern "C" __global__ void router_t4(const FpRouter p) { pdl_start(); router_entry<4, 2, true>(p); }
+extern "C" __global__ void router_t8(const FpRouter p) { pdl_start(); router_entry<8, 1, true>(p); }
 
 // Block per row (ROUTER_TOPK_THREADS threads) over the logits in scratch, thread per expert: p = softmax (block max and block sum, fixed trees);
 // the top-k by (p descending, id ascending), as repeated argmax with lowest-id ties: radix select of the k-th
