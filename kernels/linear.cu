@@ -4,11 +4,12 @@
 #include "linear.cuh"
 
 // The tensor-core body (linear.cuh `linear_tc_rows`): K in S = `tc_split(k, n)` slices (from the weight's shape) (runtime/src/cuda/launch/linear.rs),
-// one m-tile of 16 features per warp, U = 4 steps of 32 weights in flight per lane (8 in linear_t1_deep).
-template <int T, int U = 4>
+// MT m-tiles of 16 features per warp, U steps of 32 weights of each in flight per lane: one m-tile and 4 steps, 8 in
+// linear_t1_deep, two m-tiles and 2 steps in the tile of 16 rows (`LINEAR_T16`).
+template <int T, int U = 4, int MT = 1>
 DEV void linear_entry(const FpLinear& p, u32 block, u32 nblocks) {
     const u32 total = linear_total(p.c, p.sub, p.gathered);
-    linear_tc_rows<T, U>(p, total, block, nblocks, (const uint4*)p.c.scratch, LinearStore{});
+    linear_tc_rows<T, U, MT>(p, total, block, nblocks, (const uint4*)p.c.scratch, LinearStore{});
 }
 extern "C" __global__ void __launch_bounds__(256, 3) linear_t1(const FpLinear p) { pdl_start(); linear_entry<1>(p, blockIdx.x, gridDim.x); }
 // One row with many steps a warp (the lm_head: runtime/src/cuda/launch/linear.rs `linear_entry`): 8 steps of loads in
@@ -17,7 +18,11 @@ extern "C" __global__ void __launch_bounds__(256, 2) linear_t1_deep(const FpLine
 extern "C" __global__ void __launch_bounds__(256, 3) linear_t2(const FpLinear p) { pdl_start(); linear_entry<2>(p, blockIdx.x, gridDim.x); }
 extern "C" __global__ void linear_t4(const FpLinear p) { pdl_start(); linear_entry<4>(p, blockIdx.x, gridDim.x); }
 extern "C" __global__ void linear_t8(const FpLinear p) { pdl_start(); linear_entry<8>(p, blockIdx.x, gridDim.x); }
-extern "C" __global__ void linear_t16(const FpLinear p) { pdl_start(); linear_entry<16>(p, blockIdx.x, gridDim.x); }
+// 16 rows: LINEAR_T16_MTILES (params.h) m-tiles a warp (each step's split terms, 96 bytes a lane for 32 bytes of
+// weights with one m-tile, read once for both), 2 steps of each in flight, two blocks an SM (128 registers: linear_t16
+// takes them unbounded, linear_multi_t16 under its launch bounds).
+#define LINEAR_T16 16, 2, LINEAR_T16_MTILES
+extern "C" __global__ void linear_t16(const FpLinear p) { pdl_start(); linear_entry<LINEAR_T16>(p, blockIdx.x, gridDim.x); }
 
 // linear_split, linear_multi_split: the rows' BF16 terms into the scratch (linear.cuh `linear_split_rows`), the
 // first launch of a linear node of two rows or more (runtime/src/cuda/launch/linear.rs).
@@ -34,14 +39,14 @@ extern "C" __global__ void linear_multi_split(const FpLinearMulti p) {
 // Linear nodes, runtime/src/cuda/fuse.rs): block b runs `linear_entry` on its matrix's parameters (linear.cuh
 // `linear_multi_part`), so every output element is computed with exactly the arithmetic of the unfused `linear`
 // launch: bit-identical results, and row invariance as `linear`'s.
-template <int T>
+template <int T, int U = 4, int MT = 1>
 DEV void linear_multi_entry(const FpLinearMulti& p) {
     FpLinear q;
     u32 b, nblocks;
-    if (linear_multi_part(p, q, b, nblocks)) linear_entry<T>(q, b, nblocks);
+    if (linear_multi_part(p, q, b, nblocks)) linear_entry<T, U, MT>(q, b, nblocks);
 }
 extern "C" __global__ void __launch_bounds__(256, 3) linear_multi_t1(const FpLinearMulti p) { pdl_start(); linear_multi_entry<1>(p); }
 extern "C" __global__ void __launch_bounds__(256, 3) linear_multi_t2(const FpLinearMulti p) { pdl_start(); linear_multi_entry<2>(p); }
 extern "C" __global__ void linear_multi_t4(const FpLinearMulti p) { pdl_start(); linear_multi_entry<4>(p); }
 extern "C" __global__ void linear_multi_t8(const FpLinearMulti p) { pdl_start(); linear_multi_entry<8>(p); }
-extern "C" __global__ void linear_multi_t16(const FpLinearMulti p) { pdl_start(); linear_multi_entry<16>(p); }
+extern "C" __global__ void __launch_bounds__(256, 2) linear_multi_t16(const FpLinearMulti p) { pdl_start(); linear_multi_entry<LINEAR_T16>(p); }

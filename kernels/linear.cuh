@@ -250,42 +250,58 @@ DEV void tc_batch_mmas(float (&acc)[NT][3][4], const uint4 (&w0)[N], const uint4
         tc_step_tiles<NT, SHARED>(acc, w0[u], w1[u], xb, u);
     }
 }
-// The same from a weight source's batch: each step's fragments (`frag`) just before its MMAs.
-template <int N, int NT, bool SHARED, class W>
-DEV void tc_batch_mmas_w(float (&acc)[NT][3][4], const W& w, const typename W::template Batch<N>& b,
+// The same from the weight sources' batches of MT m-tiles: each step's fragments of every m-tile (`frag`) first, then
+// per n-tile its three terms, read once for the MT m-tiles' MMAs. Per accumulator the MMAs run in step order, as
+// with one m-tile.
+template <int N, int NT, int MT, bool SHARED, class W>
+DEV void tc_batch_mmas_w(float (&acc)[MT][NT][3][4], const W (&w)[MT], const typename W::template Batch<N> (&b)[MT],
                          const uint4* const (&xb)[NT], u32 n) {
 #pragma unroll
     for (int u = 0; u < N; u++) {
         if ((u32)u >= n) break;
-        uint4 w0, w1;
-        w.frag(b, u, w0, w1);
-        tc_step_tiles<NT, SHARED>(acc, w0, w1, xb, u);
+        uint4 w0[MT], w1[MT];
+#pragma unroll
+        for (int j = 0; j < MT; j++) w[j].frag(b[j], u, w0[j], w1[j]);
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            const uint4* xp = xb[nt] + u * 12;
+            const uint4 xt[3] = {SHARED ? xp[0] : __ldg(xp), SHARED ? xp[1] : __ldg(xp + 1),
+                                 SHARED ? xp[2] : __ldg(xp + 2)};
+#pragma unroll
+            for (int j = 0; j < MT; j++) tc_step_split(acc[j][nt], w0[j], w1[j], xt);
+        }
     }
 }
-// Steps s0 .. s1 of one m-tile (w: its weight source, at step s0) against NT n-tiles of rows already split into their
-// BF16 terms: xb[nt] is the lane's three terms at step s0 (12 uint4 per step), in shared memory (SHARED: the lone row's `xs`) or in global memory
-// (linear_split_rows' scratch, read through __ldg). Batches of U steps: the batch's weight loads all in flight, then
-// its MMAs; a last batch of fewer than U steps also issues its loads at once (one memory latency, not one a step)
-// and runs only its own steps' MMAs, in the same order. On return xb is advanced past the full batches only (the
-// callers set it afresh for every call).
-template <int U, int NT, bool SHARED, class W>
-DEV void tc_steps_split(float (&acc)[NT][3][4], W w, u32 s0, u32 s1, const uint4* (&xb)[NT]) {
+// Steps s0 .. s1 of MT m-tiles (ws[j]: m-tile j's weight source at step s0, left there) against NT n-tiles of rows
+// already split into their BF16 terms: xb[nt] is the lane's three terms at step s0 (12 uint4 per step), in shared
+// memory (SHARED: the lone row's `xs`) or in global memory (linear_split_rows' scratch, read through __ldg). Batches
+// of U steps: the batch's weight loads of every m-tile all in flight, then its MMAs; a last batch of fewer than U
+// steps also issues its loads at once (one memory latency, not one a step) and runs only its own steps' MMAs, in the
+// same order. On return xb is advanced past the full batches only (the callers set it afresh for every call).
+template <int U, int NT, int MT, bool SHARED, class W>
+DEV void tc_steps_split(float (&acc)[MT][NT][3][4], const W (&ws)[MT], u32 s0, u32 s1, const uint4* (&xb)[NT]) {
     static_assert(U >= 2, "the last partial batch holds U - 1 steps");
+    W w[MT];
+#pragma unroll
+    for (int j = 0; j < MT; j++) w[j] = ws[j];
     u32 st = s0;
     for (; st + U <= s1; st += U) {
-        typename W::template Batch<U> b;
-        w.template load<U, true>(b, 0, U);
-        tc_batch_mmas_w<U, NT, SHARED>(acc, w, b, xb, U);
-        w.advance(U);
+        typename W::template Batch<U> b[MT];
+#pragma unroll
+        for (int j = 0; j < MT; j++) w[j].template load<U, true>(b[j], 0, U);
+        tc_batch_mmas_w<U, NT, MT, SHARED>(acc, w, b, xb, U);
+#pragma unroll
+        for (int j = 0; j < MT; j++) w[j].advance(U);
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) xb[nt] += U * 12;
     }
     if (st < s1) {
         // The last batch of fewer than U steps: every load in flight at once, then its steps' MMAs.
         const u32 left = s1 - st;
-        typename W::template Batch<U - 1> b;
-        w.template load<U - 1, false>(b, 0, left);
-        tc_batch_mmas_w<U - 1, NT, SHARED>(acc, w, b, xb, left);
+        typename W::template Batch<U - 1> b[MT];
+#pragma unroll
+        for (int j = 0; j < MT; j++) w[j].template load<U - 1, false>(b[j], 0, left);
+        tc_batch_mmas_w<U - 1, NT, MT, SHARED>(acc, w, b, xb, left);
     }
 }
 
@@ -307,9 +323,12 @@ DEV void tc_acc_to_part(const float (&acc)[NT][3][4], float (&pw)[16][T], u32 g,
 // (TcBf16Tiles: the BF16 tiles, a step's loads two unconditional 16-byte loads per lane that are its A fragments;
 // mxfp8.cu's TcMxfp8Tiles: MXFP8 tiles decoded to BF16 fragments). xsplit: the rows' terms from
 // linear_split_rows (read from two rows on); store: the epilogue (LinearStore, or norm.cu's hyper-connection mix).
-template <int T, int U, class Store, class W>
+// MT: m-tiles a warp (from two rows on): warp (grp, slice) of a block takes m-tiles grp, grp + G, ... + (MT - 1) G
+// of the block's G MT, each step's terms read once for all of them; each m-tile's MMAs are those of MT = 1.
+template <int T, int U, class Store, class W, int MT = 1>
 DEV void linear_tc_rows_w(const FpLinear& a, u32 total, u32 block, u32 nblocks, const uint4* xsplit,
                           const Store& store, W w) {
+    static_assert(MT == 1 || T >= 2, "several m-tiles a warp read the rows' split terms (two rows or more)");
     constexpr int NT = (T + 7) / 8;
     const FpCommon& c = a.c;
     __shared__ float part[SPLIT_WARPS][16][T];
@@ -317,7 +336,7 @@ DEV void linear_tc_rows_w(const FpLinear& a, u32 total, u32 block, u32 nblocks, 
     const u32 g = lane >> 2, q = lane & 3;
     const u32 S = a.split == 0 ? 1 : a.split;
     const u32 G = SPLIT_WARPS / S, grp = warp / S, sl = warp % S;
-    const u32 per_block = G * 16;
+    const u32 per_block = G * 16 * MT;
     const u32 steps = (a.k + 31) / 32, per = (steps + S - 1) / S;
     const u32 tiles = (a.n + 15) / 16;
     const u32 s0 = sl * per < steps ? sl * per : steps;
@@ -339,12 +358,16 @@ DEV void linear_tc_rows_w(const FpLinear& a, u32 total, u32 block, u32 nblocks, 
         __syncthreads();
     }
     for (u32 nb0 = block * per_block; nb0 < a.n; nb0 += nblocks * per_block) {
-        const u32 n0 = nb0 + grp * 16;
-        // The m-tile's weights from step s0 (an m-tile past n reads tile 0 and is never written).
-        const u32 m = n0 / 16 < tiles ? n0 / 16 : 0;
-        w.seek(a, steps, lane, m, s0);
+        // The m-tiles' weights from step s0 (an m-tile past n reads tile 0 and is never written).
+        W wm[MT];
+#pragma unroll
+        for (int j = 0; j < MT; j++) {
+            const u32 n0 = nb0 + (j * G + grp) * 16, m = n0 / 16 < tiles ? n0 / 16 : 0;
+            wm[j] = w;
+            wm[j].seek(a, steps, lane, m, s0);
+        }
         for (u32 i0 = 0; i0 < total; i0 += T) {
-            float acc[NT][3][4];
+            float acc[MT][NT][3][4];
             bool okc[NT];
             const float* xr[NT];
 #pragma unroll
@@ -353,15 +376,17 @@ DEV void linear_tc_rows_w(const FpLinear& a, u32 total, u32 block, u32 nblocks, 
                 okc[nt] = t < (u32)T && i < total && row_ok(c, i / a.sub, a.gathered);
                 xr[nt] = X + (u64)(okc[nt] ? i : 0) * a.k;
 #pragma unroll
-                for (int e = 0; e < 3; e++)
+                for (int j = 0; j < MT; j++)
 #pragma unroll
-                    for (int r = 0; r < 4; r++) acc[nt][e][r] = 0.0f;
+                    for (int e = 0; e < 3; e++)
+#pragma unroll
+                        for (int r = 0; r < 4; r++) acc[j][nt][e][r] = 0.0f;
             }
             if (lone) {
                 // Column g of the MMA is lane group g's activations: every group reads the row's (shared memory
                 // broadcast), and only column 0 is kept; a column's sums never mix with another column's.
                 const uint4* xb[NT] = {xs + (s0 * 4 + q) * 3};
-                tc_steps_split<U, NT, true>(acc, w, s0, s1, xb);
+                tc_steps_split<U, NT, MT, true>(acc, wm, s0, s1, xb);
             } else if (T >= 2) {
                 // The rows' terms as linear_split_rows left them (xsplit): n-tile nt's lane (g, q) takes row
                 // i0 + 8 nt + g (a row past the launch's rows reads row 0; columns from T on are never written).
@@ -371,11 +396,11 @@ DEV void linear_tc_rows_w(const FpLinear& a, u32 total, u32 block, u32 nblocks, 
                     const u32 r = i0 + nt * 8 + g;
                     xb[nt] = xsplit + ((u64)(r < total ? r : 0) * steps + s0) * 12 + q * 3;
                 }
-                tc_steps_split<U, NT, false>(acc, w, s0, s1, xb);
+                tc_steps_split<U, NT, MT, false>(acc, wm, s0, s1, xb);
             } else {
                 // One row past TC_LONE_STEPS steps, or one of several rows in a tile of one:
                 // batches of U steps, the batch's weight loads all in flight, then its MMAs.
-                W ws = w;
+                W ws = wm[0];
                 for (u32 st = s0; st < s1; st += U) {
                     typename W::template Batch<U> b;
                     ws.template load<U, false>(b, st, s1);
@@ -394,22 +419,25 @@ DEV void linear_tc_rows_w(const FpLinear& a, u32 total, u32 block, u32 nblocks, 
 #pragma unroll
                                 for (int e = 0; e < 8; e++) x[e] = 0.0f;
                             }
-                            tc_step(acc[nt], w0, w1, x);
+                            tc_step(acc[0][nt], w0, w1, x);
                         }
                     }
                     ws.advance(U);
                 }
             }
-            tc_acc_to_part<T, NT>(acc, part[warp], g, q);
-            __syncthreads();
-            store(a, part, nb0, i0, G, S, total);
-            __syncthreads();
+#pragma unroll
+            for (int j = 0; j < MT; j++) {
+                tc_acc_to_part<T, NT>(acc[j], part[warp], g, q);
+                __syncthreads();
+                store(a, part, nb0 + j * G * 16, i0, G, S, total);
+                __syncthreads();
+            }
         }
     }
 }
 // linear_tc_rows_w on the BF16 tiles at a.w.
-template <int T, int U, class Store>
+template <int T, int U, int MT = 1, class Store>
 DEV void linear_tc_rows(const FpLinear& a, u32 total, u32 block, u32 nblocks, const uint4* xsplit,
                         const Store& store) {
-    linear_tc_rows_w<T, U>(a, total, block, nblocks, xsplit, store, TcBf16Tiles{});
+    linear_tc_rows_w<T, U, Store, TcBf16Tiles, MT>(a, total, block, nblocks, xsplit, store, TcBf16Tiles{});
 }

@@ -341,8 +341,9 @@ extern "C" __global__ void router_topk(const FpRouter p) {
 }
 
 // hid[r, i, q] = silu(gate_e x_r) * (up_e x_r), e = ids[r, i]; warp per (P pairs of q, r, i): 4 P weight rows
-// against one read of x_r, U chunks of each in flight. A feature's dots are warp_dots' sums whatever P and U.
-template <int P, int U>
+// against one read of x_r, U chunks of each in flight, and with PRE x_r's chunks of the batch loaded with them
+// (warp_dots_rows). A feature's dots are warp_dots' sums whatever P, U and PRE.
+template <int P, int U, bool PRE>
 DEV void experts_gate_up(const FpExperts& p) {
     const FpCommon& c = p.c;
     const u32 R = c.nstreams * c.window;
@@ -372,7 +373,7 @@ DEV void experts_gate_up(const FpExperts& p) {
         }
         const bool ok[1] = {true};
         float res[4 * P][1];
-        warp_dots<1, 4 * P, U>(w, 4 * P, fptr(p.x) + (u64)r * D, D, ok, D, wvec, lane, res);
+        warp_dots<1, 4 * P, U, PRE>(w, 4 * P, fptr(p.x) + (u64)r * D, D, ok, D, wvec, lane, res);
         float* hid = fptr(c.scratch) + ((u64)r * p.topk + i) * I;
         if (lane == 0)
 #pragma unroll
@@ -382,8 +383,10 @@ DEV void experts_gate_up(const FpExperts& p) {
 }
 // Two pairs a warp (8 weight rows against one read of x_r), 2 chunks of each in flight. H200, against one pair a warp
 // with 4 chunks in flight: lone-w1 902 -> 894 us, lone-w16 2706 -> 2602 us (with experts_down_f4); four pairs a
-// warp with one chunk in flight: lone-w16 3471 us.
-extern "C" __global__ void experts(const FpExperts p) { pdl_start(); experts_gate_up<2, 2>(p); }
+// warp with one chunk in flight: lone-w16 3471 us. x_r's two chunks are loaded with the weights (PRE, the same 128
+// registers): H200, in two pairs of A/B runs (the 16-row linears as now in both), lone-w8 1633.7 / 1630.4 ->
+// 1624.2 / 1620.5 us, 16 streams 2601.8 / 2598.3 -> 2595.1 / 2590.2 us (docs/benchmarks.md, twentieth session).
+extern "C" __global__ void experts(const FpExperts p) { pdl_start(); experts_gate_up<2, 2, true>(p); }
 
 // out[r, d] = sum over ranks i in order of weights[r, i] * down_e[d] . hid[r, i]; warp per (F features d, r), lane
 // group g (8 lanes) takes ranks g, g + 4, ...: each chunk of hid read once for the F down rows, U chunks of each in

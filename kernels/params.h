@@ -87,6 +87,11 @@ typedef struct FpRmsNorm {
  * then their 16 scale bytes. */
 #define MX_TILE_BYTES 528
 
+/* M-tiles of 16 features a warp of the BF16 linear's tile of 16 rows takes (linear.cu `linear_t16`,
+ * `linear_multi_t16`; the launch's blocks hold as many times the features: runtime/src/cuda/launch/linear.rs
+ * `tc_mtiles`). The other tiles and the MXFP8 linears take one. */
+#define LINEAR_T16_MTILES 2
+
 /* gathered != 0: x holds one row per stream (rows with streams[s].rows > 0). split: slices of K per output group
  * (1, 2, 4 or 8; 0 means 1), see `slice_dots` in common.cuh. linear_mxfp8 (mxfp8.cu) takes the same parameters, w
  * then being the weight's MXFP8 tiles (runtime/src/cuda/weights.rs `tile_mxfp8`). */

@@ -125,6 +125,14 @@ pub(super) mod tests {
 
     /// [`tiny_plan`] of the fixture's config after `edit` (its JSON).
     pub(in crate::cuda) fn tiny_plan_with(edit: impl FnOnce(&mut serde_json::Value)) -> PlanBody {
+        tiny_plan_for(vec![2], edit)
+    }
+
+    /// [`tiny_plan_with`] for the stream counts `streams`.
+    pub(in crate::cuda) fn tiny_plan_for(
+        streams: Vec<u32>,
+        edit: impl FnOnce(&mut serde_json::Value),
+    ) -> PlanBody {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/tiny-text");
         let text = std::fs::read_to_string(dir.join("config.json")).expect("config.json");
         let mut json: serde_json::Value = serde_json::from_str(&text).expect("json");
@@ -133,7 +141,7 @@ pub(super) mod tests {
         let opts = CompileOptions {
             arch: "cpu".into(),
             max_depth: 2,
-            streams: vec![2],
+            streams,
             context: 64,
             prefill_chunk: 8,
         };

@@ -27,9 +27,23 @@ pub(super) fn split_grid(rows: u32, k: u32) -> u32 {
     (split_items(rows as u64, k).div_ceil(256) as u32).max(1)
 }
 
-/// Output features per block of `linear_tc_rows` with `split` slices of K: 8 / split m-tiles of 16.
+/// Output features per block of `linear_tc_rows` with `split` slices of K and one m-tile a warp: 8 / split m-tiles of
+/// 16.
 pub(super) fn tc_features_per_block(split: u32) -> u32 {
     16 * (8 / split)
+}
+
+/// M-tiles of 16 features each warp of the BF16 `linear` entry point `entry` takes (its block then holds as many
+/// times [`tc_features_per_block`]): `LINEAR_T16_MTILES` (kernels/params.h) for the tile of 16 rows (`linear_t16`, and
+/// `linear_multi_t16` through the same row tile), else one, and one for every MXFP8 weight (`mxfp8`: the
+/// `linear_mxfp8` entry points keep one m-tile a warp). H200, lone-w16 (twentieth session): the lm_head 389.8 ->
+/// 356.3 us, the 16-row linears 672 -> 602 us a replay; the 8-row tile was no faster with two.
+pub(super) fn tc_mtiles(entry: &str, mxfp8: bool) -> u32 {
+    if entry == "linear_t16" && !mxfp8 {
+        LINEAR_T16_MTILES as u32
+    } else {
+        1
+    }
 }
 
 /// Slices of K for the tensor-core linear (`linear_tc_rows` in `kernels/linear.cuh`), from the weight's shape
@@ -221,7 +235,10 @@ pub(super) fn linear_multi(
         m.out[i] = p.out;
         m.n[i] = p.n;
         m.accumulate[i] = p.accumulate;
-        m.blocks[i] = p.n.div_ceil(per_block).max(1);
+        // At 16 rows a block holds several m-tiles a warp (`tc_mtiles`).
+        m.blocks[i] =
+            p.n.div_ceil(per_block * tc_mtiles(by_rows(LINEAR, t), mx))
+                .max(1);
         grid += m.blocks[i];
         total = t;
     }
@@ -300,7 +317,13 @@ pub(super) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
     let (p, total, per_block) = linear_params(a, v, op)?;
     let entry = linear_entry(total, p.k, p.split);
     let mxfp8 = a.is_mxfp8(*w);
-    let grid = linear_grid(n.div_ceil(per_block), total, entry, mxfp8, a.sms);
+    let grid = linear_grid(
+        n.div_ceil(per_block * tc_mtiles(entry, mxfp8)),
+        total,
+        entry,
+        mxfp8,
+        a.sms,
+    );
     let entry = if mxfp8 {
         mxfp8_entry(entry, total)
     } else {

@@ -710,14 +710,16 @@ fn a_copy_read_again_later_keeps_its_own_launch() {
 fn mxfp8_linears_take_the_bf16_linear_launches() {
     // Every weight held as MXFP8 against none, linears unfused and fused: the same launches with `linear_mxfp8_*`
     // for `linear_*` and `linear_multi_mxfp8_*` for `linear_multi_*` (a run of siblings all held as MXFP8 is fused as
-    // a BF16 run is), the same grids, row splits and parameters.
+    // a BF16 run is), the same grids, row splits and parameters, but at the tile of 16 rows, where a BF16 warp takes
+    // LINEAR_T16_MTILES m-tiles and an MXFP8 one one (`tc_mtiles`): there each BF16 matrix has that many times fewer
+    // blocks.
     let plan = crate::cuda::fuse::tests::tiny_plan();
     let name = |k: &str| {
         k.replacen("linear_multi_", "linear_multi_mxfp8_", 1)
             .replacen("linear_t", "linear_mxfp8_t", 1)
     };
-    // Seen: one-row launches, launches after a row split, fused runs.
-    let mut seen = [false; 3];
+    // Seen: one-row launches, launches after a row split, fused runs, the tile of 16 rows.
+    let mut seen = [false; 4];
     for fuse_linears in [false, true] {
         let bf = specs_with(&plan, true, SIDE_SCRATCH, 132, fuse_linears, false);
         let mx = specs_with(&plan, true, SIDE_SCRATCH, 132, fuse_linears, true);
@@ -747,7 +749,6 @@ fn mxfp8_linears_take_the_bf16_linear_launches() {
                     );
                     assert_eq!(m.kernel, b.kernel, "{what}");
                     assert_eq!((m.then.len(), b.then.len()), (1, 1), "{what}");
-                    assert_eq!(m.then[0].1, b.then[0].1, "{what}");
                     (b.then[0].0, m.then[0].0)
                 };
                 assert!(
@@ -756,15 +757,36 @@ fn mxfp8_linears_take_the_bf16_linear_launches() {
                 );
                 seen[2] |= bk.starts_with("linear_multi_t");
                 assert_eq!(mk, name(bk), "{what}");
-                assert_eq!(m.params, b.params, "{what}");
+                let mt = if bk.ends_with("_t16") {
+                    seen[3] = true;
+                    LINEAR_T16_MTILES as u32
+                } else {
+                    1
+                };
+                let (mut bp, mut mp) = (b.params.clone(), m.params.clone());
+                if bk.starts_with("linear_multi_t") {
+                    // The blocks of each matrix are in the parameters: compare them, then the rest.
+                    let (pb, mut pm): (FpLinearMulti, FpLinearMulti) = (params_of(b), params_of(m));
+                    for i in 0..pm.count as usize {
+                        assert_eq!(pb.blocks[i], pm.blocks[i].div_ceil(mt), "{what}");
+                    }
+                    pm.blocks = pb.blocks;
+                    (bp, mp) = (bytes(&pb), bytes(&pm));
+                }
+                if !b.then.is_empty() {
+                    let (bg, mg) = (b.then[0].1, m.then[0].1);
+                    let blocks = if bk.starts_with("linear_multi_t") {
+                        params_of::<FpLinearMulti>(b).blocks.iter().sum()
+                    } else {
+                        mg.0.div_ceil(mt)
+                    };
+                    assert_eq!(bg, (blocks, mg.1, mg.2), "{what}");
+                }
+                assert_eq!(mp, bp, "{what}");
             }
         }
     }
-    assert_eq!(
-        seen,
-        [true, true, true],
-        "one-row, split and fused launches"
-    );
+    assert_eq!(seen, [true; 4], "one-row, split, fused and 16-row launches");
 }
 
 #[test]
@@ -963,6 +985,59 @@ fn the_mxfp8_lm_head_of_one_row_launches_one_wave_and_the_bf16_one_every_block()
         }
     }
     assert!(seen > 0, "no one-row lm_head");
+}
+
+#[test]
+fn sixteen_row_bf16_linears_launch_blocks_of_two_m_tiles_a_warp() {
+    // Plans for 16 streams at the real hidden size and vocabulary: every linear of 16 rows (the lm_head and the
+    // projections, fused into `linear_multi` or not) launches, after its row split, a grid whose blocks hold
+    // LINEAR_T16_MTILES times 8 / split m-tiles of 16 features; held as MXFP8 they keep one m-tile a warp.
+    assert_eq!(LINEAR_T16_MTILES, 2);
+    let body = crate::cuda::fuse::tests::tiny_plan_for(vec![16], |j| {
+        j["vocab_size"] = 248_320.into();
+        j["hidden_size"] = 2560.into();
+    });
+    let (mut bf16, mut mx, mut lm_head) = (0, 0, 0);
+    for fuse_linears in [false, true] {
+        for mxfp8 in [false, true] {
+            for (v, sp) in specs_with(&body, true, SIDE_SCRATCH, 132, fuse_linears, mxfp8) {
+                for s in sp.iter().flatten() {
+                    let Some(&(kernel, grid, _)) = s.then.first() else {
+                        continue;
+                    };
+                    let mt = if mxfp8 { 1 } else { 2 };
+                    let what = format!("{} {kernel}", v.kind.name());
+                    match kernel {
+                        "linear_t16" | "linear_mxfp8_t16" => {
+                            let p: FpLinear = params_of(s);
+                            let blocks = p.n.div_ceil(tc_features_per_block(p.split) * mt);
+                            assert_eq!(grid, (blocks, 1, 1), "{what}");
+                            lm_head += (p.n == 248_320) as u32;
+                        }
+                        "linear_multi_t16" | "linear_multi_mxfp8_t16" => {
+                            let p: FpLinearMulti = params_of(s);
+                            let per_block = tc_features_per_block(p.split) * mt;
+                            let count = p.count as usize;
+                            for (b, n) in p.blocks[..count].iter().zip(&p.n[..count]) {
+                                assert_eq!(*b, n.div_ceil(per_block), "{what}");
+                            }
+                            assert_eq!(grid.0, p.blocks[..count].iter().sum::<u32>(), "{what}");
+                        }
+                        _ => continue,
+                    }
+                    if mxfp8 {
+                        mx += 1;
+                    } else {
+                        bf16 += 1;
+                    }
+                }
+            }
+        }
+    }
+    assert!(
+        bf16 > 0 && mx > 0 && lm_head > 0,
+        "{bf16} BF16, {mx} MXFP8, {lm_head} lm_head launches"
+    );
 }
 
 #[test]
