@@ -19,8 +19,8 @@ extern "C" __global__ void __launch_bounds__(256, 3) linear_t2(const FpLinear p)
 extern "C" __global__ void linear_t4(const FpLinear p) { pdl_start(); linear_entry<4>(p, blockIdx.x, gridDim.x); }
 extern "C" __global__ void linear_t8(const FpLinear p) { pdl_start(); linear_entry<8>(p, blockIdx.x, gridDim.x); }
 // 16 rows: LINEAR_T16_MTILES (params.h) m-tiles a warp (each step's split terms, 96 bytes a lane for 32 bytes of
-// weights with one m-tile, read once for both), 2 steps of each in flight, two blocks an SM (128 registers: linear_t16
-// takes them unbounded, linear_multi_t16 under its launch bounds).
+// weights with one m-tile, read once for both), 2 steps of each in flight, two blocks an SM (linear_t16 in 128
+// registers unbounded, linear_multi_t16 in 124 under its launch bounds, 132 without).
 #define LINEAR_T16 16, 2, LINEAR_T16_MTILES
 extern "C" __global__ void linear_t16(const FpLinear p) { pdl_start(); linear_entry<LINEAR_T16>(p, blockIdx.x, gridDim.x); }
 

@@ -51,7 +51,8 @@ DEV bool linear_multi_part(const FpLinearMulti& p, FpLinear& q, u32& b, u32& nbl
 // out[i, n] (+)= sum_k x[i, k] * w[n, k] with mma.sync m16n8k16 (BF16 x BF16 -> f32). The f32 activation is split
 // exactly into three BF16 terms x = hi + mid + lo (`split3`: truncations of the f32 bits; every remainder is exact
 // in f32), so every product w * term is exact and the sum is f32 accumulation in the tensor core's fixed order.
-// A warp owns one m-tile of 16 output features and one slice of K (S slices from the weight's shape [n, k] alone,
+// A warp owns one m-tile of 16 output features (or MT of them, each with its own MMAs) and one slice of K (S slices
+// from the weight's shape [n, k] alone,
 // steps of 32 values); the 8 rows of an n-tile are the 8 columns of the MMA, so a row's arithmetic is the same in
 // every column, every tile (a lone row runs in column 0; the other columns are discarded) and every launch: row
 // invariance. Per step lane (g = lane / 4, q = lane % 4) loads its A fragments of feature rows g and g + 8 at
@@ -207,8 +208,9 @@ DEV void linear_split_rows(const FpCommon& c, u64 x, u32 k, u32 total, u32 sub, 
 #define TC_LONE_STEPS 224
 
 // The linear's own epilogue: out[i, n] (+)= the sum of the S slices of (feature n, row i), in slice order. part:
-// the block's partial sums [warp][feature in the m-tile][row in the tile]; nb0: the block's first feature; i0: the
-// tile's first row; G m-tiles of S slices per block.
+// the block's partial sums [warp][feature in the m-tile][row in the tile]; nb0: the first feature of the G m-tiles
+// (the block's first, or with MT m-tiles a warp that of the block's j-th group of G); i0: the tile's first row; G
+// m-tiles of S slices.
 struct LinearStore {
     template <int T>
     DEV void operator()(const FpLinear& a, float (&part)[SPLIT_WARPS][16][T], u32 nb0, u32 i0, u32 G, u32 S,
@@ -318,7 +320,7 @@ DEV void tc_acc_to_part(const float (&acc)[NT][3][4], float (&pw)[16][T], u32 g,
         }
 }
 
-// Blocks block, block + nblocks, ... of a launch of nblocks blocks, each (8 / S) m-tiles of 16 output features;
+// Blocks block, block + nblocks, ... of a launch of nblocks blocks, each (8 / S) MT m-tiles of 16 output features;
 // T is the row tile (1, 2, 4, 8 or 16: one or two n-tiles), U the steps of loads in flight. w: the weight source
 // (TcBf16Tiles: the BF16 tiles, a step's loads two unconditional 16-byte loads per lane that are its A fragments;
 // mxfp8.cu's TcMxfp8Tiles: MXFP8 tiles decoded to BF16 fragments). xsplit: the rows' terms from

@@ -384,14 +384,16 @@ DEV void experts_gate_up(const FpExperts& p) {
 // Two pairs a warp (8 weight rows against one read of x_r), 2 chunks of each in flight. H200, against one pair a warp
 // with 4 chunks in flight: lone-w1 902 -> 894 us, lone-w16 2706 -> 2602 us (with experts_down_f4); four pairs a
 // warp with one chunk in flight: lone-w16 3471 us. x_r's two chunks are loaded with the weights (PRE, the same 128
-// registers): H200, in two pairs of A/B runs (the 16-row linears as now in both), lone-w8 1633.7 / 1630.4 ->
-// 1624.2 / 1620.5 us, 16 streams 2601.8 / 2598.3 -> 2595.1 / 2590.2 us (docs/benchmarks.md, twentieth session).
+// registers): H200, in two pairs of A/B runs (the 16-row linears with two m-tiles a warp in both), lone-w8 1633.7 /
+// 1630.4 -> 1624.2 / 1620.5 us, 16 streams 2601.8 / 2598.3 -> 2595.1 / 2590.2 us (docs/benchmarks.md, twentieth
+// session).
 extern "C" __global__ void experts(const FpExperts p) { pdl_start(); experts_gate_up<2, 2, true>(p); }
 
 // out[r, d] = sum over ranks i in order of weights[r, i] * down_e[d] . hid[r, i]; warp per (F features d, r), lane
 // group g (8 lanes) takes ranks g, g + 4, ...: each chunk of hid read once for the F down rows, U chunks of each in
-// flight; a lane sums its chunks in ascending k whatever F and U.
-template <int F, int U>
+// flight, and with PRE the batch's U chunks of hid loaded with them; a lane sums its chunks in ascending k whatever F,
+// U and PRE.
+template <int F, int U, bool PRE = false>
 DEV void experts_down_t(const FpExperts& p) {
     const FpCommon& c = p.c;
     const u32 R = c.nstreams * c.window;
@@ -437,12 +439,30 @@ DEV void experts_down_t(const FpExperts& p) {
 #pragma unroll
                             for (int f = 0; f < F; f++)
                                 wv[u][f] = kb + 64 * u < I ? ldg_stream16(dn[f] + kb + 64 * u) : zero4();
+                        float xr[PRE ? U : 1][8];
+                        if constexpr (PRE) {
+#pragma unroll
+                            for (int u = 0; u < U; u++) {
+                                const u32 kk = kb + 64 * u;
+                                if (kk < I) {
+                                    load_x8(h + kk, (I & 3) == 0, xr[u]);
+                                } else {
+#pragma unroll
+                                    for (int e = 0; e < 8; e++) xr[u][e] = 0.0f;
+                                }
+                            }
+                        }
 #pragma unroll
                         for (int u = 0; u < U; u++) {
                             const u32 kk = kb + 64 * u;
                             if (kk >= I) continue;
                             float x[8];
-                            load_x8(h + kk, (I & 3) == 0, x);
+                            if constexpr (PRE) {
+#pragma unroll
+                                for (int e = 0; e < 8; e++) x[e] = xr[u][e];
+                            } else {
+                                load_x8(h + kk, (I & 3) == 0, x);
+                            }
 #pragma unroll
                             for (int f = 0; f < F; f++) {
                                 float w8[8];
@@ -484,8 +504,11 @@ DEV void experts_down_t(const FpExperts& p) {
 }
 // One feature a warp (4 chunks in flight), or four (2 chunks of each in flight: hid read once for four down rows,
 // a quarter of the L2 traffic of hid; runtime/src/cuda/launch/moe.rs `down_features` picks one by the row count).
+// experts_down_f4 loads hid with the weights (PRE; 118 registers, 121 before): H200, one A/B call, lone-w16
+// 2369.9 / 2358.8 -> 2339.2 / 2334.9 us, 16 streams 2596.2 / 2597.4 -> 2582.4 / 2581.5 us, lone-w2 992.0 / 989.5 ->
+// 987.7 / 984.4 us. experts_down with PRE was slower (lone-w8 1617.6-1621.7 -> 1648.9 us).
 extern "C" __global__ void experts_down(const FpExperts p) { pdl_start(); experts_down_t<1, 4>(p); }
-extern "C" __global__ void experts_down_f4(const FpExperts p) { pdl_start(); experts_down_t<4, 2>(p); }
+extern "C" __global__ void experts_down_f4(const FpExperts p) { pdl_start(); experts_down_t<4, 2, true>(p); }
 
 // ---- One row's routed experts in one launch (experts_one, then experts_combine) ----
 // EO_BLOCKS blocks take one rank i of the row. Each computes its share of hid (the gate/up warp_dots of

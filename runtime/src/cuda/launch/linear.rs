@@ -37,7 +37,7 @@ pub(super) fn tc_features_per_block(split: u32) -> u32 {
 /// times [`tc_features_per_block`]): `LINEAR_T16_MTILES` (kernels/params.h) for the tile of 16 rows (`linear_t16`, and
 /// `linear_multi_t16` through the same row tile), else one, and one for every MXFP8 weight (`mxfp8`: the
 /// `linear_mxfp8` entry points keep one m-tile a warp). H200, lone-w16 (twentieth session): the lm_head 389.8 ->
-/// 356.3 us, the 16-row linears 672 -> 602 us a replay; the 8-row tile was no faster with two.
+/// 356.3 us, the 16-row linears 672 -> 601-603 us a replay; the 8-row tile was no faster with two.
 pub(super) fn tc_mtiles(entry: &str, mxfp8: bool) -> u32 {
     if entry == "linear_t16" && !mxfp8 {
         LINEAR_T16_MTILES as u32
@@ -66,7 +66,7 @@ pub(crate) fn tc_split(k: u32, n: u32) -> u32 {
 }
 
 /// `linear_mxfp8` entry points per row tile (kernels/mxfp8.cu: the BF16 linear's body decoding MXFP8 weights, with
-/// `linear`'s launch shapes).
+/// `linear`'s launch shapes but one m-tile a warp at 16 rows: [`tc_mtiles`]).
 const LINEAR_MXFP8: ByRows = &[
     "linear_mxfp8_t1",
     "linear_mxfp8_t2",
@@ -95,8 +95,8 @@ const LINEAR_MULTI_MXFP8: ByRows = &[
 ];
 
 /// A `Linear` node's parameters, its launch's row count (sub-rows: `total`) and output features per block of
-/// `linear` (kernels/linear.cuh `linear_tc_rows`: a block of 8 warps = 8 / split m-tiles of 16 features, each over
-/// `split` = [`tc_split`] slices of K).
+/// `linear` with one m-tile a warp (kernels/linear.cuh `linear_tc_rows`: a block of 8 warps = 8 / split m-tiles of
+/// 16 features, each over `split` = [`tc_split`] slices of K; the callers multiply it by [`tc_mtiles`]).
 fn linear_params(a: &Addrs, v: &Variant, op: &Op) -> Result<(FpLinear, u32, u32), BackendError> {
     let Op::Linear {
         x,
