@@ -505,8 +505,8 @@ DEV void experts_down_t(const FpExperts& p) {
 // One feature a warp (4 chunks in flight), or four (2 chunks of each in flight: hid read once for four down rows,
 // a quarter of the L2 traffic of hid; runtime/src/cuda/launch/moe.rs `down_features` picks one by the row count).
 // experts_down_f4 loads hid with the weights (PRE; 118 registers, 121 before): H200, one A/B call, lone-w16
-// 2369.9 / 2358.8 -> 2339.2 / 2334.9 us, 16 streams 2596.2 / 2597.4 -> 2582.4 / 2581.5 us, lone-w2 992.0 / 989.5 ->
-// 987.7 / 984.4 us. experts_down with PRE was slower (lone-w8 1617.6-1621.7 -> 1648.9 us).
+// 2369.9 / 2358.8 -> 2339.2 us, 16 streams 2596.2 / 2597.4 -> 2582.4 us, lone-w2 992.0 / 989.5 -> 987.7 us
+// (docs/benchmarks.md, twentieth session). experts_down with PRE was slower (lone-w8 1617.6-1621.7 -> 1648.9 us).
 extern "C" __global__ void experts_down(const FpExperts p) { pdl_start(); experts_down_t<1, 4>(p); }
 extern "C" __global__ void experts_down_f4(const FpExperts p) { pdl_start(); experts_down_t<4, 2, true>(p); }
 
