@@ -640,12 +640,14 @@ DEV void shared_entry(const FpSharedExpert& p) {
     shared_t<T, U, PRE>(p, p.c.nstreams * p.c.window);
 }
 extern "C" __global__ void shared_expert_t1(const FpSharedExpert p) { pdl_start(); shared_entry<1, 10, true>(p); }
-extern "C" __global__ void shared_expert_t2(const FpSharedExpert p) { pdl_start(); shared_entry<2>(p); }
+// shared_expert_t2 (tiles of 2 rows, up to 4 rows: runtime/src/cuda/launch/moe.rs `shared_expert_tiles`): 2 chunks
+// of each row in flight, loaded with the weights (PRE; 79 registers).
+extern "C" __global__ void shared_expert_t2(const FpSharedExpert p) { pdl_start(); shared_entry<2, 2, true>(p); }
 extern "C" __global__ void shared_expert_t4(const FpSharedExpert p) { pdl_start(); shared_entry<4>(p); }
 
 // out[r, d] = fmaf(sg[r], down_d . hid[r], out[r, d]); warp per 2 features d, all rows. With keep_dots (the side
 // branch) the dots stay in the scratch after sg for experts_down, which does the same fmaf.
-template <int T>
+template <int T, int U = 4, bool PRE = false>
 DEV void shared_down_t(const FpSharedExpert& p, u32 R) {
     const FpCommon& c = p.c;
     const u32 lane = threadIdx.x & 31;
@@ -663,7 +665,7 @@ DEV void shared_down_t(const FpSharedExpert& p, u32 R) {
 #pragma unroll
             for (int t = 0; t < T; t++) ok[t] = i0 + t < R && row_ok(c, i0 + t, false);
             float res[2][T];
-            warp_dots<T, 2, 4>(w, nm, S + (u64)i0 * I, I, ok, I, wvec, lane, res);
+            warp_dots<T, 2, U, PRE>(w, nm, S + (u64)i0 * I, I, ok, I, wvec, lane, res);
             if (lane == 0)
 #pragma unroll
                 for (int m = 0; m < 2; m++)
@@ -682,10 +684,12 @@ DEV void shared_down_t(const FpSharedExpert& p, u32 R) {
     }
 }
 
-template <int T>
+template <int T, int U = 4, bool PRE = false>
 DEV void shared_down_entry(const FpSharedExpert& p) {
-    shared_down_t<T>(p, p.c.nstreams * p.c.window);
+    shared_down_t<T, U, PRE>(p, p.c.nstreams * p.c.window);
 }
 extern "C" __global__ void shared_expert_down_t1(const FpSharedExpert p) { pdl_start(); shared_down_entry<1>(p); }
-extern "C" __global__ void shared_expert_down_t2(const FpSharedExpert p) { pdl_start(); shared_down_entry<2>(p); }
+// shared_expert_down_t2: a lane's 3 chunks of hid (I = 640 at the real width) loaded with the weights (PRE; 108
+// registers).
+extern "C" __global__ void shared_expert_down_t2(const FpSharedExpert p) { pdl_start(); shared_down_entry<2, 3, true>(p); }
 extern "C" __global__ void shared_expert_down_t4(const FpSharedExpert p) { pdl_start(); shared_down_entry<4>(p); }

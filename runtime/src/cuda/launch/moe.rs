@@ -164,6 +164,19 @@ pub(super) fn experts_spec(
     )
 }
 
+/// The shared expert's gate/up and down entry points for `rows` rows and their tiles of rows over `blockIdx.y`: up to 4
+/// rows tiles of at most 2 (`shared_expert_t1`, `_t2`: the `_t2` pair loads its activation chunks with its weights),
+/// beyond, tiles of 4 (`_t4`). H200 (twentieth session), 3-4 rows in two tiles of 2 against one of 4: lone-w4
+/// 1226.3 / 1230.2 -> 1214.2 / 1215.8 us, verify-s4-w1 1309.2 / 1314.7 -> 1300.4 / 1300.4 us; from 5 rows on tiles of
+/// 2 were slower (lone-w16 2358.2 / 2362.4 -> 2387.8 us: on the side branch, more blocks crowd the main chain's). A row's sums
+/// are `warp_dots`' whatever the tile.
+pub(super) fn shared_expert_tiles(rows: u32) -> (&'static str, &'static str, u32) {
+    let n = if rows <= 4 { 2 } else { SHARED_EXPERT.len() };
+    let (gate_up, tiles) = by_row_tiles(&SHARED_EXPERT[..n], rows);
+    let (down, _) = by_row_tiles(&SHARED_EXPERT_DOWN[..n], rows);
+    (gate_up, down, tiles)
+}
+
 /// The `SharedExpert` node's launches: the gate/up (warp per intermediate feature, row tiles over `blockIdx.y`),
 /// then the down. `side`: the side branch's scratch, where the launches keep their down dots for `experts_down` or
 /// `experts_combine` ([`branch_shared_experts`]); `None`: the node's own launches on the main stream, adding to `out`.
@@ -205,8 +218,7 @@ pub(super) fn shared_expert_spec(
         keep_dots: side.is_some() as u32,
         pad: 0,
     };
-    let (gate_up, tiles) = by_row_tiles(SHARED_EXPERT, rows);
-    let (down, _) = by_row_tiles(SHARED_EXPERT_DOWN, rows);
+    let (gate_up, down, tiles) = shared_expert_tiles(rows);
     Ok(LaunchSpec::new(
         gate_up,
         bytes(&p),

@@ -1045,6 +1045,50 @@ fn sixteen_row_bf16_linears_launch_blocks_of_two_m_tiles_a_warp() {
 }
 
 #[test]
+fn the_shared_expert_takes_tiles_of_2_rows_up_to_4_rows_and_of_4_beyond() {
+    let t = shared_expert_tiles;
+    assert_eq!(t(1), ("shared_expert_t1", "shared_expert_down_t1", 1));
+    assert_eq!(t(2), ("shared_expert_t2", "shared_expert_down_t2", 1));
+    for rows in 3..=4 {
+        assert_eq!(t(rows), ("shared_expert_t2", "shared_expert_down_t2", 2));
+    }
+    for rows in 5..=16u32 {
+        let tiles = rows.div_ceil(4);
+        assert_eq!(
+            t(rows),
+            ("shared_expert_t4", "shared_expert_down_t4", tiles)
+        );
+    }
+    // Through the launches (the tiny plan's rounds of up to 8 rows), on the router's side branch: the gate/up and the
+    // down take the same tiles.
+    let mut seen = std::collections::BTreeSet::new();
+    for (v, sp) in tiny_specs(true).into_iter().chain(tiny_specs(false)) {
+        let rows = v.kind.shape().0 * v.kind.shape().1;
+        for (n, s) in v.nodes.iter().zip(&sp) {
+            let (Op::Router { .. }, Some(router)) = (&n.op, s) else {
+                continue;
+            };
+            let Some(s) = router.side.first() else {
+                continue;
+            };
+            let (gate_up, down, tiles) = t(rows);
+            assert_eq!((s.kernel, s.grid.1), (gate_up, tiles), "{}", v.kind.name());
+            assert_eq!(
+                (s.then[0].0, s.then[0].1 .1),
+                (down, tiles),
+                "{}",
+                v.kind.name()
+            );
+            seen.insert(rows);
+        }
+    }
+    assert!(
+        seen.contains(&3) && seen.contains(&4) && seen.contains(&6),
+        "rows seen: {seen:?}"
+    );
+}
+
+#[test]
 fn experts_grids_have_one_block_per_8_warps_of_items_and_both_down_kernels_run() {
     let mut seen = 0;
     let mut downs = std::collections::BTreeSet::new();
