@@ -41,7 +41,7 @@ pub(super) const EXPERTS_BLOCKS_PER_SM: u32 = 2;
 
 /// The experts' down entry point for a launch of `rows` rows and the output features a warp of it takes
 /// (kernels/moe.cu): four (`experts_down_f4`, each chunk of hid read once for four down rows) at 2 rows and from 16
-/// rows on, else one (`experts_down`). Four cut the L2 traffic of hid but take 121 registers (two blocks an SM): at
+/// rows on, else one (`experts_down`). Four cut the L2 traffic of hid but take 118 registers (two blocks an SM): at
 /// one row its 640 warps leave SMs idle, at 4 and 8 rows its grid ends in a part-filled second or third wave.
 /// H200, the build with `experts` at two pairs a warp, against one feature a warp everywhere: lone-w2 1089 -> 1065
 /// us, lone-w16 2646 -> 2602 us; four features at 4 and 8 rows: lone-w4 1321 -> 1349 us, lone-w8 1747 -> 1756 us;
@@ -166,10 +166,11 @@ pub(super) fn experts_spec(
 
 /// The shared expert's gate/up and down entry points for `rows` rows and their tiles of rows over `blockIdx.y`: up to 4
 /// rows tiles of at most 2 (`shared_expert_t1`, `_t2`: the `_t2` pair loads its activation chunks with its weights),
-/// beyond, tiles of 4 (`_t4`). H200 (twentieth session), 3-4 rows in two tiles of 2 against one of 4: lone-w4
-/// 1226.3 / 1230.2 -> 1214.2 / 1215.8 us, verify-s4-w1 1309.2 / 1314.7 -> 1300.4 / 1300.4 us; from 5 rows on tiles of
-/// 2 were slower (lone-w16 2358.2 / 2362.4 -> 2387.8 us: on the side branch, more blocks crowd the main chain's). A row's sums
-/// are `warp_dots`' whatever the tile.
+/// beyond, tiles of 4 (`_t4`). H200 (twentieth session), 4 rows in two tiles of 2 against one of 4 (3 rows take the
+/// same tiles, not measured apart): lone-w4 1226.3 / 1230.2 -> 1214.2 / 1215.8 us, verify-s4-w1 1309.2 / 1314.7 ->
+/// 1300.4 / 1300.4 us; at 2 rows `PRE` changed nothing measurable. From 5 rows on tiles of 2 were slower (lone-w16
+/// 2358-2362 -> 2388 us: on the side branch, more blocks crowd the main chain's). A row's sums are `warp_dots`'
+/// whatever the tile.
 pub(super) fn shared_expert_tiles(rows: u32) -> (&'static str, &'static str, u32) {
     let n = if rows <= 4 { 2 } else { SHARED_EXPERT.len() };
     let (gate_up, tiles) = by_row_tiles(&SHARED_EXPERT[..n], rows);

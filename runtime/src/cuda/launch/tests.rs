@@ -777,9 +777,10 @@ fn mxfp8_linears_take_the_bf16_linear_launches() {
                     let (bg, mg) = (b.then[0].1, m.then[0].1);
                     let blocks = if bk.starts_with("linear_multi_t") {
                         // Each form's grid is the sum of its matrices' blocks.
-                        let mx_blocks: u32 = params_of::<FpLinearMulti>(m).blocks.iter().sum();
-                        assert_eq!(mg.0, mx_blocks, "{what}");
-                        params_of::<FpLinearMulti>(b).blocks.iter().sum()
+                        let (pb, pm): (FpLinearMulti, FpLinearMulti) = (params_of(b), params_of(m));
+                        let count = pm.count as usize;
+                        assert_eq!(mg.0, pm.blocks[..count].iter().sum::<u32>(), "{what}");
+                        pb.blocks[..count].iter().sum()
                     } else {
                         mg.0.div_ceil(mt)
                     };
@@ -1000,7 +1001,7 @@ fn sixteen_row_bf16_linears_launch_blocks_of_two_m_tiles_a_warp() {
         j["vocab_size"] = 248_320.into();
         j["hidden_size"] = 2560.into();
     });
-    let (mut bf16, mut mx, mut lm_head, mut multi) = (0, 0, 0, 0);
+    let (mut bf16, mut mx, mut lm_head, mut multi) = (0, 0, 0, [0, 0]);
     for fuse_linears in [false, true] {
         for mxfp8 in [false, true] {
             for (v, sp) in specs_with(&body, true, SIDE_SCRATCH, 132, fuse_linears, mxfp8) {
@@ -1025,7 +1026,7 @@ fn sixteen_row_bf16_linears_launch_blocks_of_two_m_tiles_a_warp() {
                                 assert_eq!(*b, n.div_ceil(per_block), "{what}");
                             }
                             assert_eq!(grid.0, p.blocks[..count].iter().sum::<u32>(), "{what}");
-                            multi += 1;
+                            multi[mxfp8 as usize] += 1;
                         }
                         _ => continue,
                     }
@@ -1039,8 +1040,8 @@ fn sixteen_row_bf16_linears_launch_blocks_of_two_m_tiles_a_warp() {
         }
     }
     assert!(
-        bf16 > 0 && mx > 0 && lm_head > 0 && multi > 0,
-        "{bf16} BF16, {mx} MXFP8, {lm_head} lm_head, {multi} linear_multi launches"
+        bf16 > 0 && mx > 0 && lm_head > 0 && multi[0] > 0 && multi[1] > 0,
+        "{bf16} BF16, {mx} MXFP8, {lm_head} lm_head, {multi:?} linear_multi (BF16, MXFP8) launches"
     );
 }
 
