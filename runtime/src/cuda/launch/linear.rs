@@ -33,13 +33,13 @@ pub(super) fn tc_features_per_block(split: u32) -> u32 {
     16 * (8 / split)
 }
 
-/// M-tiles of 16 features each warp of the BF16 `linear` entry point `entry` takes (its block then holds as many
+/// M-tiles of 16 features each warp of a BF16 linear launch of `total` rows takes (its block then holds as many
 /// times [`tc_features_per_block`]): `LINEAR_T16_MTILES` (kernels/params.h) for the tile of 16 rows (`linear_t16`, and
 /// `linear_multi_t16` through the same row tile), else one, and one for every MXFP8 weight (`mxfp8`: the
 /// `linear_mxfp8` entry points keep one m-tile a warp). H200, lone-w16 (twentieth session): the lm_head 389.8 ->
 /// 356.3 us, the 16-row linears 672 -> 601-603 us a replay; the 8-row tile was no faster with two.
-pub(super) fn tc_mtiles(entry: &str, mxfp8: bool) -> u32 {
-    if entry == "linear_t16" && !mxfp8 {
+pub(super) fn tc_mtiles(total: u32, mxfp8: bool) -> u32 {
+    if by_rows(LINEAR, total) == "linear_t16" && !mxfp8 {
         LINEAR_T16_MTILES as u32
     } else {
         1
@@ -95,8 +95,8 @@ const LINEAR_MULTI_MXFP8: ByRows = &[
 ];
 
 /// A `Linear` node's parameters, its launch's row count (sub-rows: `total`) and output features per block of
-/// `linear` with one m-tile a warp (kernels/linear.cuh `linear_tc_rows`: a block of 8 warps = 8 / split m-tiles of
-/// 16 features, each over `split` = [`tc_split`] slices of K; the callers multiply it by [`tc_mtiles`]).
+/// `linear` or `linear_mxfp8` (kernels/linear.cuh `linear_tc_rows`: a block of 8 warps = 8 / split groups of
+/// [`tc_mtiles`] m-tiles of 16 features, each over `split` = [`tc_split`] slices of K).
 fn linear_params(a: &Addrs, v: &Variant, op: &Op) -> Result<(FpLinear, u32, u32), BackendError> {
     let Op::Linear {
         x,
@@ -125,7 +125,7 @@ fn linear_params(a: &Addrs, v: &Variant, op: &Op) -> Result<(FpLinear, u32, u32)
         split: tc_split(*k, *n),
     };
     let total = if gathered { streams } else { streams * window } * *sub;
-    let per_block = tc_features_per_block(p.split);
+    let per_block = tc_features_per_block(p.split) * tc_mtiles(total, a.is_mxfp8(*w));
     Ok((p, total, per_block))
 }
 
@@ -235,10 +235,7 @@ pub(super) fn linear_multi(
         m.out[i] = p.out;
         m.n[i] = p.n;
         m.accumulate[i] = p.accumulate;
-        // At 16 rows a block holds several m-tiles a warp (`tc_mtiles`).
-        m.blocks[i] =
-            p.n.div_ceil(per_block * tc_mtiles(by_rows(LINEAR, t), mx))
-                .max(1);
+        m.blocks[i] = p.n.div_ceil(per_block).max(1);
         grid += m.blocks[i];
         total = t;
     }
@@ -317,13 +314,7 @@ pub(super) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
     let (p, total, per_block) = linear_params(a, v, op)?;
     let entry = linear_entry(total, p.k, p.split);
     let mxfp8 = a.is_mxfp8(*w);
-    let grid = linear_grid(
-        n.div_ceil(per_block * tc_mtiles(entry, mxfp8)),
-        total,
-        entry,
-        mxfp8,
-        a.sms,
-    );
+    let grid = linear_grid(n.div_ceil(per_block), total, entry, mxfp8, a.sms);
     let entry = if mxfp8 {
         mxfp8_entry(entry, total)
     } else {
