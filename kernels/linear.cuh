@@ -228,16 +228,20 @@ struct LinearStore {
     }
 };
 
-// One step's MMAs against NT n-tiles: xb[nt] + 12 u is the step's three terms (SHARED: in shared memory, else read
-// through __ldg).
+// A step's three terms of a row at xp (SHARED: in shared memory, else read through __ldg).
+template <bool SHARED>
+DEV void tc_load_terms(const uint4* xp, uint4 (&xt)[3]) {
+#pragma unroll
+    for (int e = 0; e < 3; e++) xt[e] = SHARED ? xp[e] : __ldg(xp + e);
+}
+// One step's MMAs against NT n-tiles: xb[nt] + 12 u is the step's three terms (`tc_load_terms`).
 template <int NT, bool SHARED>
 DEV void tc_step_tiles(float (&acc)[NT][3][4], const uint4& w0, const uint4& w1, const uint4* const (&xb)[NT],
                        int u) {
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) {
-        const uint4* xp = xb[nt] + u * 12;
-        const uint4 xt[3] = {SHARED ? xp[0] : __ldg(xp), SHARED ? xp[1] : __ldg(xp + 1),
-                             SHARED ? xp[2] : __ldg(xp + 2)};
+        uint4 xt[3];
+        tc_load_terms<SHARED>(xb[nt] + u * 12, xt);
         tc_step_split(acc[nt], w0, w1, xt);
     }
 }
@@ -266,9 +270,8 @@ DEV void tc_batch_mmas_w(float (&acc)[MT][NT][3][4], const W (&w)[MT], const typ
         for (int j = 0; j < MT; j++) w[j].frag(b[j], u, w0[j], w1[j]);
 #pragma unroll
         for (int nt = 0; nt < NT; nt++) {
-            const uint4* xp = xb[nt] + u * 12;
-            const uint4 xt[3] = {SHARED ? xp[0] : __ldg(xp), SHARED ? xp[1] : __ldg(xp + 1),
-                                 SHARED ? xp[2] : __ldg(xp + 2)};
+            uint4 xt[3];
+            tc_load_terms<SHARED>(xb[nt] + u * 12, xt);
 #pragma unroll
             for (int j = 0; j < MT; j++) tc_step_split(acc[j][nt], w0[j], w1[j], xt);
         }
