@@ -77,8 +77,8 @@ fn linear_fields(v: &Variant, op: &Op, mxfp8: &impl Fn(WeightId) -> bool) -> Opt
 
 /// The variant's launches as node ranges, in node order, covering every node exactly once: a range of two or more
 /// nodes is a run of sibling linears launched as one `linear_multi` or `linear_multi_mxfp8` (see the module
-/// documentation for the rule), a range of one node is that node's own launch. `mxfp8(w)`: whether weight `w` is held as MXFP8 on the
-/// device.
+/// documentation for the rule), a range of one node is that node's own launch. `mxfp8(w)`: whether weight `w` is
+/// held as MXFP8 on the device.
 pub(crate) fn launch_groups(v: &Variant, mxfp8: impl Fn(WeightId) -> bool) -> Vec<Range<usize>> {
     let mut groups = Vec::new();
     let mut i = 0;
