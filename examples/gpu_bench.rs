@@ -1151,6 +1151,7 @@ fn main() -> anyhow::Result<()> {
         layers,
         state_rw,
         floor_note,
+        all_nodes,
     };
     if streams_t {
         streams_table(&mut be, &run, &mut cache)?;
@@ -1208,45 +1209,51 @@ fn profile_tables(
         .iter()
         .filter(|(k, ..)| matches!(k, VariantKind::Lone { window: 1 | 16 }))
     {
-        let sum: f64 = r.nodes_us.iter().sum();
+        kernel_table(body, *kind, r, all_nodes);
+    }
+}
+
+/// One variant's kernels by time (per-node bench times summed per kernel) and its largest nodes (`all_nodes`: every
+/// node in plan order).
+fn kernel_table(body: &PlanBody, kind: VariantKind, r: &BenchResult, all_nodes: bool) {
+    let sum: f64 = r.nodes_us.iter().sum();
+    println!(
+        "\n{}: kernels by time (CudaBackend::bench per-node times, summed over nodes; replay {:.1} us)",
+        kind.name(),
+        r.median_us
+    );
+    println!("| kernel | us | share of node time |");
+    println!("|---|---|---|");
+    for (k, t) in &r.kernels_us {
+        println!("| {k} | {t:.1} | {:.1}% |", 100.0 * t / sum);
+    }
+    let v = body.variant(kind).unwrap();
+    let mut top: Vec<(usize, f64)> = r.nodes_us.iter().copied().enumerate().collect();
+    if !all_nodes {
+        top.sort_by(|a, b| b.1.total_cmp(&a.1));
+        top.truncate(12);
+    }
+    println!("{}:", if all_nodes { "nodes" } else { "largest nodes" });
+    for (i, t) in &top {
+        let n = &v.nodes[*i];
+        let what = match &n.op {
+            Op::Linear { k, n: nn, .. } => format!(" {k}x{nn}"),
+            _ => String::new(),
+        };
         println!(
-            "\n{}: kernels by time (CudaBackend::bench per-node times, summed over nodes; replay {:.1} us)",
-            kind.name(),
-            r.median_us
+            "  {:>3} {:<10} {}{} {:.1} us",
+            i,
+            layer_label(body, n),
+            n.op.kernel(),
+            what,
+            t
         );
-        println!("| kernel | us | share of node time |");
-        println!("|---|---|---|");
-        for (k, t) in &r.kernels_us {
-            println!("| {k} | {t:.1} | {:.1}% |", 100.0 * t / sum);
-        }
-        let v = body.variant(*kind).unwrap();
-        let mut top: Vec<(usize, f64)> = r.nodes_us.iter().copied().enumerate().collect();
-        if !all_nodes {
-            top.sort_by(|a, b| b.1.total_cmp(&a.1));
-            top.truncate(12);
-        }
-        println!("{}:", if all_nodes { "nodes" } else { "largest nodes" });
-        for (i, t) in &top {
-            let n = &v.nodes[*i];
-            let what = match &n.op {
-                Op::Linear { k, n: nn, .. } => format!(" {k}x{nn}"),
-                _ => String::new(),
-            };
-            println!(
-                "  {:>3} {:<10} {}{} {:.1} us",
-                i,
-                layer_label(body, n),
-                n.op.kernel(),
-                what,
-                t
-            );
-        }
     }
 }
 
 /// What the streams and windows tables share: the plan, the rows' position, the replays per median, the layers of
-/// the bench model (for the 48-layer estimate), one stream's recurrent state read + written (bytes) and the floors'
-/// description.
+/// the bench model (for the 48-layer estimate), one stream's recurrent state read + written (bytes), the floors'
+/// description and whether kernel tables list every node (`--nodes`).
 struct Tables<'a> {
     body: &'a PlanBody,
     pos: u32,
@@ -1254,6 +1261,7 @@ struct Tables<'a> {
     layers: usize,
     state_rw: u64,
     floor_note: String,
+    all_nodes: bool,
 }
 
 /// One variant of the streams or windows table against its byte floor.
@@ -1354,6 +1362,11 @@ fn streams_table(
         s16.2,
         verdict(s16.1 <= 1.5)
     );
+    let s16_kind = VariantKind::Verify {
+        streams: 16,
+        window: 1,
+    };
+    kernel_table(run.body, s16_kind, &cache[&s16_kind].r, run.all_nodes);
     let shared = ratios[&VariantKind::Verify {
         streams: 1,
         window: 1,

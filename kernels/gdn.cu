@@ -8,7 +8,8 @@
 #define GDN_MAX_DK 128
 
 // out[j][ch] = silu(sum_t w[ch, t] * seq[j + t][ch]), seq = conv state (kernel-1 rows) then the window's rows.
-// Windows of one row with a kernel of at most GDN_CONV_ONE taps take gdn_conv_one: the same sum in the same order.
+// Windows of one row with a kernel of at most GDN_CONV_ONE taps take gdn_conv_one, wider windows gdn_conv_rows: the
+// same sums in the same order.
 #define GDN_CONV_ONE 8
 // One row of stream s (window of one row): every tap's value and weight loaded first, then the output and the
 // shifted conv state stored from registers (the loop below reloads the state after its stores: a memory latency
@@ -36,39 +37,79 @@ DEV void gdn_conv_one(const FpGdnConv& p, u32 s, u32 ch, float* state) {
     }
 }
 
+// Rows of a window per batch of gdn_conv_rows: the batch's taps (kernel - 1 + GDN_CONV_ROWS values of the sequence)
+// are all loaded before its first sum (loads interleaved with the stores to out paid a memory latency per row).
+#define GDN_CONV_ROWS 8
+// The rows of stream s in a window of more than one row, with a kernel of at most GDN_CONV_ONE taps: the same
+// products summed in the same tap order as the loop of gdn_conv (w * x from 0.0f, t ascending), so the same bits.
+DEV void gdn_conv_rows(const FpGdnConv& p, const FpCommon& c, u32 s, u32 rows, u32 ch, const float* state) {
+    const u32 K1 = p.kernel - 1;
+    float ws[GDN_CONV_ONE];
+#pragma unroll
+    for (u32 t = 0; t < GDN_CONV_ONE; t++) ws[t] = t < p.kernel ? bfw(p.w, (u64)ch * p.kernel + t) : 0.0f;
+    for (u32 j0 = 0; j0 < rows; j0 += GDN_CONV_ROWS) {
+        const u32 n = rows - j0 < GDN_CONV_ROWS ? rows - j0 : GDN_CONV_ROWS;
+        float xs[GDN_CONV_ONE - 1 + GDN_CONV_ROWS];
+#pragma unroll
+        for (u32 i = 0; i < GDN_CONV_ONE - 1 + GDN_CONV_ROWS; i++) {
+            const u32 idx = j0 + i;
+            xs[i] = i >= K1 + n ? 0.0f
+                    : idx < K1 ? state[(u64)idx * p.channels + ch]
+                               : fptr(p.x)[((u64)s * c.window + idx - K1) * p.channels + ch];
+        }
+#pragma unroll
+        for (u32 jj = 0; jj < GDN_CONV_ROWS; jj++) {
+            if (jj >= n) break;
+            float acc = 0.0f;
+#pragma unroll
+            for (u32 t = 0; t < GDN_CONV_ONE; t++) {
+                if (t >= p.kernel) break;
+                acc += ws[t] * xs[jj + t];
+            }
+            fptr(p.out)[((u64)s * c.window + j0 + jj) * p.channels + ch] = siluf_(acc);
+        }
+    }
+}
+
+// Thread per (stream, channel), channels fastest: the streams' chains of loads and stores run side by side (a
+// thread looping over the streams paid a memory latency per stream).
 extern "C" __global__ void gdn_conv(const FpGdnConv p) {
     pdl_start();
     const FpCommon& c = p.c;
     const u32 K1 = p.kernel - 1;
-    for (u32 ch = blockIdx.x * blockDim.x + threadIdx.x; ch < p.channels; ch += gridDim.x * blockDim.x) {
-        for (u32 s = 0; s < c.nstreams; s++) {
-            const FpStream& st = stream_of(c, s);
-            const float* state = state_of(c, st.slot, p.state);
-            if (c.window == 1 && p.kernel <= GDN_CONV_ONE) {
-                // Padding streams (rows 0) write nothing.
+    const u64 total = (u64)c.nstreams * p.channels;
+    for (u64 it = blockIdx.x * (u64)blockDim.x + threadIdx.x; it < total; it += (u64)gridDim.x * blockDim.x) {
+        const u32 s = (u32)(it / p.channels), ch = (u32)(it % p.channels);
+        const FpStream& st = stream_of(c, s);
+        const float* state = state_of(c, st.slot, p.state);
+        if (p.kernel <= GDN_CONV_ONE) {
+            // Padding streams (rows 0) write nothing.
+            if (c.window == 1) {
                 if (st.rows == 1) gdn_conv_one(p, s, ch, state_of(c, st.slot, p.state));
-                continue;
+            } else {
+                gdn_conv_rows(p, c, s, st.rows, ch, state);
             }
-            for (u32 j = 0; j < st.rows; j++) {
-                float acc = 0.0f;
-                for (u32 t = 0; t < p.kernel; t++) {
-                    const u32 i = j + t;
-                    const float x = i < K1 ? state[(u64)i * p.channels + ch]
-                                           : fptr(p.x)[((u64)s * c.window + i - K1) * p.channels + ch];
-                    acc += bfw(p.w, (u64)ch * p.kernel + t) * x;
-                }
-                fptr(p.out)[((u64)s * c.window + j) * p.channels + ch] = siluf_(acc);
+            continue;
+        }
+        for (u32 j = 0; j < st.rows; j++) {
+            float acc = 0.0f;
+            for (u32 t = 0; t < p.kernel; t++) {
+                const u32 i = j + t;
+                const float x = i < K1 ? state[(u64)i * p.channels + ch]
+                                       : fptr(p.x)[((u64)s * c.window + i - K1) * p.channels + ch];
+                acc += bfw(p.w, (u64)ch * p.kernel + t) * x;
             }
-            // Window of one row (kernels of more than GDN_CONV_ONE taps; gdn_conv_one above does the same): its row
-            // is always kept (keep_count: keep = rows), so this thread shifts its channel's conv state here, exactly
-            // as gdn_commit would with keep = 1 (gdn_commit is not launched for such variants:
-            // `commit_in_window_one`, runtime/src/cuda/launch/gdn.rs). Padding streams (rows 0) write nothing.
-            if (c.window == 1 && st.rows == 1) {
-                float* cs = state_of(c, st.slot, p.state);
-                for (u32 i = 0; i < K1; i++)
-                    cs[(u64)i * p.channels + ch] = i + 1 < K1 ? cs[(u64)(i + 1) * p.channels + ch]
-                                                               : fptr(p.x)[(u64)s * c.window * p.channels + ch];
-            }
+            fptr(p.out)[((u64)s * c.window + j) * p.channels + ch] = siluf_(acc);
+        }
+        // Window of one row (kernels of more than GDN_CONV_ONE taps; gdn_conv_one above does the same): its row
+        // is always kept (keep_count: keep = rows), so this thread shifts its channel's conv state here, exactly
+        // as gdn_commit would with keep = 1 (gdn_commit is not launched for such variants:
+        // `commit_in_window_one`, runtime/src/cuda/launch/gdn.rs). Padding streams (rows 0) write nothing.
+        if (c.window == 1 && st.rows == 1) {
+            float* cs = state_of(c, st.slot, p.state);
+            for (u32 i = 0; i < K1; i++)
+                cs[(u64)i * p.channels + ch] = i + 1 < K1 ? cs[(u64)(i + 1) * p.channels + ch]
+                                                           : fptr(p.x)[(u64)s * c.window * p.channels + ch];
         }
     }
 }

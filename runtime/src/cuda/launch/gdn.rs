@@ -36,7 +36,13 @@ pub(super) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
                 channels: *channels,
                 kernel: *kernel,
             };
-            one("gdn_conv", bytes(&p), channels.div_ceil(128), 128)
+            // Thread per (stream, channel).
+            one(
+                "gdn_conv",
+                bytes(&p),
+                (streams * channels).div_ceil(128),
+                128,
+            )
         }
         Op::GdnRecur {
             qkv,

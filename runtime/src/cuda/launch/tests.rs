@@ -1089,6 +1089,38 @@ fn the_shared_expert_takes_tiles_of_2_rows_up_to_4_rows_and_of_4_beyond() {
     );
 }
 
+/// `gdn_conv` takes a thread per (stream, channel): a round of S streams launches S times the blocks of one stream,
+/// so no thread walks the streams one after another (kernels/gdn.cu).
+#[test]
+fn gdn_conv_takes_a_thread_per_stream_and_channel() {
+    let mut streams_seen = std::collections::BTreeSet::new();
+    for (v, sp) in tiny_specs(true).into_iter().chain(tiny_specs(false)) {
+        let streams = v.kind.shape().0;
+        for (n, s) in v.nodes.iter().zip(&sp) {
+            let (Op::GdnConv { channels, .. }, Some(s)) = (&n.op, s) else {
+                continue;
+            };
+            assert_eq!(s.kernel, "gdn_conv");
+            assert_eq!(
+                (s.grid, s.block),
+                (((streams * channels).div_ceil(128), 1, 1), (128, 1, 1)),
+                "{}",
+                v.kind.name()
+            );
+            // A grid of one stream's blocks (a thread per channel) would fail the check above.
+            assert!(
+                streams == 1 || (streams * channels).div_ceil(128) > channels.div_ceil(128),
+                "{channels} channels"
+            );
+            streams_seen.insert(streams);
+        }
+    }
+    assert!(
+        streams_seen.contains(&2),
+        "stream counts seen: {streams_seen:?}"
+    );
+}
+
 #[test]
 fn experts_grids_have_one_block_per_8_warps_of_items_and_both_down_kernels_run() {
     let mut seen = 0;
