@@ -1300,8 +1300,8 @@ impl Tables<'_> {
     }
 }
 
-/// Issue 6: plain decoding of 1..16 streams of one row against each round's byte floor, and the lone-stream slot
-/// against the one-stream shared variant timed in alternation.
+/// Issue 6: plain decoding of 1..16 streams of one row against each round's byte floor, the 16-stream round's kernels
+/// by time ([`kernel_table`]), and the lone-stream slot against the one-stream shared variant timed in alternation.
 fn streams_table(
     be: &mut CudaBackend,
     run: &Tables,

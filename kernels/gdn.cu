@@ -71,47 +71,50 @@ DEV void gdn_conv_rows(const FpGdnConv& p, const FpCommon& c, u32 s, u32 rows, u
     }
 }
 
-// Thread per (stream, channel), channels fastest: the streams' chains of loads and stores run side by side (a
-// thread looping over the streams paid a memory latency per stream).
-extern "C" __global__ void gdn_conv(const FpGdnConv p) {
-    pdl_start();
+// Channel ch of stream s (gdn_conv's thread).
+DEV void gdn_conv_channel(const FpGdnConv& p, u32 s, u32 ch) {
     const FpCommon& c = p.c;
     const u32 K1 = p.kernel - 1;
-    const u64 total = (u64)c.nstreams * p.channels;
-    for (u64 it = blockIdx.x * (u64)blockDim.x + threadIdx.x; it < total; it += (u64)gridDim.x * blockDim.x) {
-        const u32 s = (u32)(it / p.channels), ch = (u32)(it % p.channels);
-        const FpStream& st = stream_of(c, s);
-        const float* state = state_of(c, st.slot, p.state);
-        if (p.kernel <= GDN_CONV_ONE) {
-            // Padding streams (rows 0) write nothing.
-            if (c.window == 1) {
-                if (st.rows == 1) gdn_conv_one(p, s, ch, state_of(c, st.slot, p.state));
-            } else {
-                gdn_conv_rows(p, c, s, st.rows, ch, state);
-            }
-            continue;
+    const FpStream& st = stream_of(c, s);
+    const float* state = state_of(c, st.slot, p.state);
+    if (p.kernel <= GDN_CONV_ONE) {
+        // Padding streams (rows 0) write nothing.
+        if (c.window == 1) {
+            if (st.rows == 1) gdn_conv_one(p, s, ch, state_of(c, st.slot, p.state));
+        } else {
+            gdn_conv_rows(p, c, s, st.rows, ch, state);
         }
-        for (u32 j = 0; j < st.rows; j++) {
-            float acc = 0.0f;
-            for (u32 t = 0; t < p.kernel; t++) {
-                const u32 i = j + t;
-                const float x = i < K1 ? state[(u64)i * p.channels + ch]
-                                       : fptr(p.x)[((u64)s * c.window + i - K1) * p.channels + ch];
-                acc += bfw(p.w, (u64)ch * p.kernel + t) * x;
-            }
-            fptr(p.out)[((u64)s * c.window + j) * p.channels + ch] = siluf_(acc);
-        }
-        // Window of one row (kernels of more than GDN_CONV_ONE taps; gdn_conv_one above does the same): its row
-        // is always kept (keep_count: keep = rows), so this thread shifts its channel's conv state here, exactly
-        // as gdn_commit would with keep = 1 (gdn_commit is not launched for such variants:
-        // `commit_in_window_one`, runtime/src/cuda/launch/gdn.rs). Padding streams (rows 0) write nothing.
-        if (c.window == 1 && st.rows == 1) {
-            float* cs = state_of(c, st.slot, p.state);
-            for (u32 i = 0; i < K1; i++)
-                cs[(u64)i * p.channels + ch] = i + 1 < K1 ? cs[(u64)(i + 1) * p.channels + ch]
-                                                           : fptr(p.x)[(u64)s * c.window * p.channels + ch];
-        }
+        return;
     }
+    for (u32 j = 0; j < st.rows; j++) {
+        float acc = 0.0f;
+        for (u32 t = 0; t < p.kernel; t++) {
+            const u32 i = j + t;
+            const float x = i < K1 ? state[(u64)i * p.channels + ch]
+                                   : fptr(p.x)[((u64)s * c.window + i - K1) * p.channels + ch];
+            acc += bfw(p.w, (u64)ch * p.kernel + t) * x;
+        }
+        fptr(p.out)[((u64)s * c.window + j) * p.channels + ch] = siluf_(acc);
+    }
+    // Window of one row (kernels of more than GDN_CONV_ONE taps; gdn_conv_one above does the same): its row
+    // is always kept (keep_count: keep = rows), so this thread shifts its channel's conv state here, exactly
+    // as gdn_commit would with keep = 1 (gdn_commit is not launched for such variants:
+    // `commit_in_window_one`, runtime/src/cuda/launch/gdn.rs). Padding streams (rows 0) write nothing.
+    if (c.window == 1 && st.rows == 1) {
+        float* cs = state_of(c, st.slot, p.state);
+        for (u32 i = 0; i < K1; i++)
+            cs[(u64)i * p.channels + ch] = i + 1 < K1 ? cs[(u64)(i + 1) * p.channels + ch]
+                                                       : fptr(p.x)[(u64)s * c.window * p.channels + ch];
+    }
+}
+
+// Thread per (stream, channel): channels over blockIdx.x, streams over blockIdx.y, so the streams' chains of loads
+// and stores run side by side (a thread looping over the streams paid a memory latency per stream).
+extern "C" __global__ void gdn_conv(const FpGdnConv p) {
+    pdl_start();
+    for (u32 s = blockIdx.y; s < p.c.nstreams; s += gridDim.y)
+        for (u32 ch = blockIdx.x * blockDim.x + threadIdx.x; ch < p.channels; ch += gridDim.x * blockDim.x)
+            gdn_conv_channel(p, s, ch);
 }
 
 // The recurrent state of a value head is [dk, dv]. Column e is held by 4 adjacent lanes, lane quarter q owning

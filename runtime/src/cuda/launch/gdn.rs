@@ -36,11 +36,11 @@ pub(super) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
                 channels: *channels,
                 kernel: *kernel,
             };
-            // Thread per (stream, channel).
-            one(
+            // Thread per (stream, channel): channels over x, streams over y.
+            LaunchSpec::new(
                 "gdn_conv",
                 bytes(&p),
-                (streams * channels).div_ceil(128),
+                (channels.div_ceil(128), streams, 1),
                 128,
             )
         }
