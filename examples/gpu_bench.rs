@@ -537,7 +537,7 @@ fn isolate_router_outputs(body: &mut PlanBody) {
 /// two builds or settings mean the same top-k ids and weights to the bit in every MoE layer (and so, but for a
 /// vanishing chance, the same hidden states before every router). The digest is read before the timing because the
 /// per-node timing replays graphs of back-to-back copies of one node, which update state in place in ways no round
-/// does: a kernel that reads before the wait on the previous kernel what it then writes (gdn_recur its state at one
+/// does: a kernel that reads before the wait on the previous kernel what it then writes (gdn_recur_one its state at one
 /// row, hc_write_norm the residual h) reads it while its previous copy still writes it. The expert count depends on
 /// the state the rows see: from reset slots it is higher (H200, sixteenth session: 431 against 374 at lone-w16, 511
 /// against 434 at 16 streams), so it stays where earlier sessions read it, for comparable floors.

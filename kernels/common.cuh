@@ -43,6 +43,14 @@ DEV float ld_cg(const float* p) {
     asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
     return v;
 }
+DEV float4 ld_cg_f32x4(const float4* p) {
+    float4 v;
+    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "l"(p)
+                 : "memory");
+    return v;
+}
 DEV u32 ld_cg_u32(const u32* p) {
     u32 v;
     asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -64,6 +72,7 @@ DEV u32 ld_cg_u32(const u32* p) {
 // previous kernel ends.
 DEV float ld_early_f32(const float* p) { return ld_cg(p); }
 DEV u32 ld_early_u32(const u32* p) { return ld_cg_u32(p); }
+DEV float4 ld_early_f32x4(const float4* p) { return ld_cg_f32x4(p); }
 
 // Grid barrier of a launch whose blocks are all on the GPU at once (the launch checks that its grid fits; a block
 // waiting here for one that cannot start would wait forever), on a u32 counter in device memory: every block adds

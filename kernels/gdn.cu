@@ -1,8 +1,9 @@
-// GatedDeltaNet: gdn_conv (causal depthwise conv + SiLU), gdn_recur (recurrence over the window from the slot's
-// state, state untouched in windows of more than one row), gdn_commit (replays the kept rows into the state with the same update, and shifts the
-// conv state). recur and commit share gdn_update_q, so a committed state is bit-identical to plain decoding's.
-// Windows of one row always keep their row: there gdn_conv shifts the conv state and gdn_recur writes the state
-// itself, and gdn_commit is not launched (one launch and one read of the state fewer per GDN layer).
+// GatedDeltaNet: gdn_conv (causal depthwise conv + SiLU), gdn_recur (recurrence over a window of more than one row
+// from the slot's state, the state untouched), gdn_commit (replays the kept rows into the state with the same update,
+// and shifts the conv state). All share gdn_update_q, so a committed state is bit-identical to plain decoding's.
+// Windows of one row always keep their row: there gdn_conv shifts the conv state and gdn_recur_one runs the row's
+// update and writes the state itself, and gdn_commit is not launched (one launch and one read of the state fewer per
+// GDN layer).
 #include "common.cuh"
 
 #define GDN_MAX_DK 128
@@ -119,9 +120,39 @@ extern "C" __global__ void gdn_conv(const FpGdnConv p) {
 
 // The recurrent state of a value head is [dk, dv]. Column e is held by 4 adjacent lanes, lane quarter q owning
 // rows [q * GDN_QD, (q + 1) * GDN_QD) in registers. Sums over i: each lane's quarter in ascending i, then
-// (q0 + q1) + (q2 + q3) by two xor shuffles (every lane of the four gets the same bits). Blocks: (value head, stream,
-// 32 columns) of 128 threads.
+// (q0 + q1) + (q2 + q3) by two xor shuffles (every lane of the four gets the same bits). Blocks: (32 columns, value
+// head, stream) of 128 threads, a head's column tiles next to each other in launch order.
 #define GDN_QD (GDN_MAX_DK / 4)
+
+// Device layout of a value head's state (the CPU's is row-major [dk, dv]; runtime/src/cuda/gdn_layout.rs converts):
+// tiles of 32 columns (the last one w = dv - 32 z wide), tile z at z * dk * 32 and each [dk / 4, w, 4]: element
+// (row, col) at ((row / 4) * w + col % 32) * 4 + row % 4. A block's tile is one run of memory, a lane's quarter is
+// GDN_QD / 4 float4 loads, and each warp load reads four whole 128-byte lines (needs dk % 4 == 0, checked at launch,
+// and 16-byte aligned heads: the plan's state pieces start at multiples of 4 elements). The state of the lane holding
+// rows [i0, i0 + n) of column e: its first float4; the next ones are w apart.
+DEV float4* gdn_state_at(float* head, u32 dk, u32 dv, u32 e, u32 i0, u32& w) {
+    const u32 z = e / 32;
+    w = dv - 32 * z < 32 ? dv - 32 * z : 32;
+    return (float4*)(head + (u64)z * dk * 32) + (i0 / 4) * w + e % 32;
+}
+// Loads the lane's n rows (n % 4 == 0) from `at` (gdn_state_at), zeros past them; EARLY: before the wait on the
+// previous kernel (ld_early_*, common.cuh).
+template <bool EARLY> DEV void gdn_load_state(float (&S)[GDN_QD], const float4* at, u32 w, u32 n) {
+#pragma unroll
+    for (u32 j = 0; j < GDN_QD / 4; j++) {
+        float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (4 * j < n) x = EARLY ? ld_early_f32x4(at + (u64)j * w) : at[(u64)j * w];
+        S[4 * j] = x.x;
+        S[4 * j + 1] = x.y;
+        S[4 * j + 2] = x.z;
+        S[4 * j + 3] = x.w;
+    }
+}
+DEV void gdn_store_state(float4* at, u32 w, u32 n, const float (&S)[GDN_QD]) {
+#pragma unroll
+    for (u32 j = 0; j < GDN_QD / 4; j++)
+        if (4 * j < n) at[(u64)j * w] = make_float4(S[4 * j], S[4 * j + 1], S[4 * j + 2], S[4 * j + 3]);
+}
 DEV float quarter_sum(float a) {
     a += __shfl_xor_sync(FULL_MASK, a, 1);
     a += __shfl_xor_sync(FULL_MASK, a, 2);
@@ -165,6 +196,7 @@ DEV void gdn_quarter(const float* src, float (&dst)[GDN_QD]) {
     }
 }
 
+// Windows of more than one row (one row: gdn_recur_one below, the same bits).
 // Per row: l2-normalised q (scaled by 1/sqrt(dk)) and k of key head h / (hv/hk), beta = sigmoid(b),
 // g = -exp(A_log) softplus(a + dt_bias), update, o = S^T q. Stash: k, v, g, beta. In chunks of GDN_CHUNK rows:
 // first warp w stages rows w, w + 4, ... of the chunk, all their loads issued before any sum (each norm is the sum
@@ -177,7 +209,7 @@ extern "C" __global__ void gdn_recur(const FpGdnRecur p) {
     __shared__ float gs[GDN_CHUNK];
     __shared__ float bs[GDN_CHUNK];
     const FpCommon& c = p.c;
-    const u32 h = blockIdx.x, s = blockIdx.y;
+    const u32 h = blockIdx.y, s = blockIdx.z;
     if (h >= p.hv || s >= c.nstreams) {
         pdl_start();  // no early exit before the wait (common.cuh, ld_early_*)
         return;
@@ -185,26 +217,27 @@ extern "C" __global__ void gdn_recur(const FpGdnRecur p) {
     u32 slot, rows;
     stream_early(c, s, slot, rows);
     const u32 q = threadIdx.x & 3, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const u32 e0 = blockIdx.z * (blockDim.x / 4);
+    const u32 e0 = blockIdx.x * (blockDim.x / 4);
     const u32 e = e0 + threadIdx.x / 4;
     const bool own = e < p.dv;
-    const bool lead = blockIdx.z == 0;
+    const bool lead = blockIdx.x == 0;
     const u32 kh = h / (p.hv / p.hk);
     const u32 ch = 2 * p.hk * p.dk + p.hv * p.dv;
     const u32 sw = p.hk * p.dk + p.hv * p.dv + 2 * p.hv;
     const u64 dkdv = (u64)p.dk * p.dv;
     const u32 i0 = q * GDN_QD, n = p.dk > i0 ? (p.dk - i0 < GDN_QD ? p.dk - i0 : GDN_QD) : 0;
-    const float* state = state_of(c, slot, p.state) + h * dkdv;
+    u32 w;
+    float4* at = gdn_state_at(state_of(c, slot, p.state) + h * dkdv, p.dk, p.dv, e, i0, w);
     float S[GDN_QD];
-#pragma unroll
-    for (u32 i = 0; i < GDN_QD; i++) S[i] = (own && i < n) ? ld_early_f32(state + (u64)(i0 + i) * p.dv + e) : 0.0f;
+    gdn_load_state<true>(S, at, w, own ? n : 0);
     const float scale = 1.0f / sqrtf((float)p.dk);
     const float alog = -expf(bfw(p.a_log, h));
     const float dtb = bfw(p.dt_bias, h);
     // The state, the stream's slot and rows, and the weights above are loaded before the wait on the previous kernel
     // (programmatic dependent launch; the state and the descriptor through L2, `ld_early_*` in common.cuh, which
-    // gives the rule): no kernel of the round writes them before this one (the state is written by this kernel at
-    // one row, else by gdn_commit at the end of the round, and the round descriptor by the host between replays),
+    // gives the rule): no kernel of the round writes them before this one (the state is written by gdn_commit at the
+    // end of the round, or by gdn_recur_one in windows of one row, and the round descriptor by the host between
+    // replays),
     // so their memory latency overlaps the previous kernel. The rows of the window (qkv, a, b) are read after the
     // wait.
     pdl_start();
@@ -279,39 +312,115 @@ extern "C" __global__ void gdn_recur(const FpGdnRecur p) {
         }
         __syncthreads();  // the next chunk overwrites the staged rows
     }
-    // Window of one row: the row is always kept, so the updated state is the committed one (gdn_commit's replay of
-    // the same update from the same state gives the same bits); written here and gdn_commit is not launched.
-    // A padding stream (rows 0, on a live stream's slot) may read that slot's state while the live stream's block
-    // writes it; it uses nothing it read (no rows: no output, no stash, no write), so the race is harmless.
-    if (c.window == 1 && rows == 1 && own) {
-        float* out_state = state_of(c, slot, p.state) + h * dkdv;
-#pragma unroll
-        for (u32 i = 0; i < GDN_QD; i++)
-            if (i < n) out_state[(u64)(i0 + i) * p.dv + e] = S[i];
-    }
 }
 
-// Block (h, s, 32 columns): replays the first keep rows' stashed (k, v, g, beta) into the slot state; the blocks of
+// Windows of one row, at every stream count: gdn_recur's update of its one row without the chunk staging, so the
+// state's 32 registers are the only large array and 7 blocks fit an SM where gdn_recur fits 3 (more state loads in
+// flight). Every warp loads the row's q and k and normalises them itself (the same warp trees as gdn_recur's staging
+// warp) into its own shared copy, so a warp barrier stands where gdn_recur has two block barriers. The same sums in
+// the same order as gdn_recur and gdn_commit: the same bits. Blocks and threads as gdn_recur's. The row is always
+// kept, so the updated state is the committed one (gdn_commit's replay of the same update from the same state gives
+// the same bits): written here, and gdn_commit is not launched. A padding stream (rows 0, on a live stream's slot)
+// may read that slot's state while the live stream's block writes it; it uses nothing it read (no output, no stash,
+// no write), so the race is harmless.
+extern "C" __global__ void __launch_bounds__(128, 7) gdn_recur_one(const FpGdnRecur p) {
+    __shared__ __align__(16) float qs[4][GDN_MAX_DK + GDN_MAX_DK / 8];
+    __shared__ __align__(16) float ks[4][GDN_MAX_DK + GDN_MAX_DK / 8];
+    const FpCommon& c = p.c;
+    const u32 h = blockIdx.y, s = blockIdx.z;
+    if (h >= p.hv || s >= c.nstreams) {
+        pdl_start();  // no early exit before the wait (common.cuh, ld_early_*)
+        return;
+    }
+    u32 slot, rows;
+    stream_early(c, s, slot, rows);
+    const u32 q = threadIdx.x & 3, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 e = blockIdx.x * (blockDim.x / 4) + threadIdx.x / 4;
+    const bool own = e < p.dv;
+    const u32 kh = h / (p.hv / p.hk);
+    const u32 ch = 2 * p.hk * p.dk + p.hv * p.dv;
+    const u32 sw = p.hk * p.dk + p.hv * p.dv + 2 * p.hv;
+    const u64 dkdv = (u64)p.dk * p.dv;
+    const u32 i0 = q * GDN_QD, n = p.dk > i0 ? (p.dk - i0 < GDN_QD ? p.dk - i0 : GDN_QD) : 0;
+    u32 w;
+    float4* at = gdn_state_at(state_of(c, slot, p.state) + h * dkdv, p.dk, p.dv, e, i0, w);
+    float S[GDN_QD];
+    gdn_load_state<true>(S, at, w, own ? n : 0);
+    const float scale = 1.0f / sqrtf((float)p.dk);
+    const float alog = -expf(bfw(p.a_log, h));
+    const float dtb = bfw(p.dt_bias, h);
+    // Loaded before the wait as in gdn_recur (its comment gives why that is sound); the row after it.
+    pdl_start();
+    if (rows == 0) return;
+    const float* row = fptr(p.qkv) + (u64)s * ch;
+    float qv[GDN_MAX_DK / 32], kv[GDN_MAX_DK / 32];
+#pragma unroll
+    for (u32 m = 0; m < GDN_MAX_DK / 32; m++) {
+        const u32 i = 32 * m + lane;
+        qv[m] = i < p.dk ? row[kh * p.dk + i] : 0.0f;
+        kv[m] = i < p.dk ? row[p.hk * p.dk + kh * p.dk + i] : 0.0f;
+    }
+    const float v = own ? row[2 * p.hk * p.dk + h * p.dv + e] : 0.0f;
+    const float bv = fptr(p.b)[(u64)s * p.hv + h];
+    const float av = fptr(p.a)[(u64)s * p.hv + h];
+    float tq = 0.0f, tk = 0.0f;
+#pragma unroll
+    for (u32 m = 0; m < GDN_MAX_DK / 32; m++) {
+        tq += warp_sum(qv[m] * qv[m]);
+        tk += warp_sum(kv[m] * kv[m]);
+    }
+    const float iq = 1.0f / sqrtf(tq + 1e-6f);
+    const float ik = 1.0f / sqrtf(tk + 1e-6f);
+    const bool lead = blockIdx.x == 0;
+    float* srow = fptr(p.stash) + (u64)s * sw;
+#pragma unroll
+    for (u32 m = 0; m < GDN_MAX_DK / 32; m++) {
+        const u32 i = 32 * m + lane;
+        if (i >= p.dk) continue;
+        qs[warp][gdn_sk(i)] = qv[m] * iq * scale;
+        ks[warp][gdn_sk(i)] = kv[m] * ik;
+        if (warp == 0 && lead && h % (p.hv / p.hk) == 0) srow[kh * p.dk + i] = kv[m] * ik;
+    }
+    const float beta = sigmoidf_(bv);
+    const float g = alog * softplusf_(av + dtb);
+    if (own && q == 0) srow[p.hk * p.dk + h * p.dv + e] = v;
+    if (lead && threadIdx.x == 0) {
+        srow[p.hk * p.dk + p.hv * p.dv + h] = g;
+        srow[p.hk * p.dk + p.hv * p.dv + p.hv + h] = beta;
+    }
+    __syncwarp();
+    gdn_update_q(S, &ks[warp][gdn_sk(i0)], v, g, beta, own ? n : 0);
+    const float* qr = &qs[warp][gdn_sk(i0)];
+    float o = 0.0f;
+#pragma unroll
+    for (u32 i = 0; i < GDN_QD; i++)
+        if (own && i < n) o += S[i] * qr[i];
+    o = quarter_sum(o);
+    if (own && q == 0) fptr(p.out)[(u64)s * p.hv * p.dv + h * p.dv + e] = o;
+    gdn_store_state(at, w, own ? n : 0, S);
+}
+
+// Block (32 columns, h, s): replays the first keep rows' stashed (k, v, g, beta) into the slot state; the blocks of
 // stream s also shift its conv state to the last kernel-1 raw rows ending at the last kept row.
 extern "C" __global__ void gdn_commit(const FpGdnCommit p) {
     pdl_start();
     const FpCommon& c = p.c;
-    const u32 h = blockIdx.x, s = blockIdx.y;
+    const u32 h = blockIdx.y, s = blockIdx.z;
     if (h >= p.hv || s >= c.nstreams) return;
     const FpStream& st = stream_of(c, s);
     const u32 k = keep_of(c, p.keep, s);
     const u32 q = threadIdx.x & 3;
-    const u32 e = blockIdx.z * (blockDim.x / 4) + threadIdx.x / 4;
+    const u32 e = blockIdx.x * (blockDim.x / 4) + threadIdx.x / 4;
     const bool own = e < p.dv;
     const u32 kh = h / (p.hv / p.hk);
     const u32 sw = p.hk * p.dk + p.hv * p.dv + 2 * p.hv;
     const u64 dkdv = (u64)p.dk * p.dv;
     const u32 i0 = q * GDN_QD, n = p.dk > i0 ? (p.dk - i0 < GDN_QD ? p.dk - i0 : GDN_QD) : 0;
     if (k > 0) {
-        float* state = state_of(c, st.slot, p.state) + h * dkdv;
+        u32 w;
+        float4* at = gdn_state_at(state_of(c, st.slot, p.state) + h * dkdv, p.dk, p.dv, e, i0, w);
         float S[GDN_QD];
-#pragma unroll
-        for (u32 i = 0; i < GDN_QD; i++) S[i] = (own && i < n) ? state[(u64)(i0 + i) * p.dv + e] : 0.0f;
+        gdn_load_state<false>(S, at, w, own ? n : 0);
         for (u32 j = 0; j < k; j++) {
             const float* srow = fptr(p.stash) + ((u64)s * c.window + j) * sw;
             const float g = srow[p.hk * p.dk + p.hv * p.dv + h];
@@ -319,14 +428,11 @@ extern "C" __global__ void gdn_commit(const FpGdnCommit p) {
             const float v = own ? srow[p.hk * p.dk + h * p.dv + e] : 0.0f;
             gdn_update_q(S, srow + kh * p.dk + i0, v, g, beta, own ? n : 0);
         }
-        if (own)
-#pragma unroll
-            for (u32 i = 0; i < GDN_QD; i++)
-                if (i < n) state[(u64)(i0 + i) * p.dv + e] = S[i];
+        gdn_store_state(at, w, own ? n : 0, S);
     }
     // Nothing kept (a padding stream, rows 0): write nothing. Its slot may be a live stream's (the engine pads with
     // slot 0), whose blocks in this same launch shift that conv state; even a rewrite of the old values would race.
-    if (blockIdx.z != 0 || k == 0) return;
+    if (blockIdx.x != 0 || k == 0) return;
     float* conv = state_of(c, st.slot, p.conv);
     const u32 K1 = p.kernel - 1;
     for (u32 chn = h * blockDim.x + threadIdx.x; chn < p.channels; chn += p.hv * blockDim.x) {

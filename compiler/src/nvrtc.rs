@@ -398,6 +398,7 @@ mod tests {
             "ple_commit",
             "gdn_conv",
             "gdn_recur",
+            "gdn_recur_one",
             "gdn_commit",
             "gated_norm",
             "attn_prep",

@@ -1,7 +1,9 @@
 //! Per-slot state layout (`rounds.md` section 3): GDN recurrent and conv state, attention K/V, QSA raw and pooled
 //! keys, PLE history and conv tail, and the MTP layer's caches, sized for a context length.
 
-use flashplan_plan::{ElemType, LayerKind, ModelConfig, StateKind, StateLayout, StatePiece};
+use flashplan_plan::{
+    ElemType, LayerKind, ModelConfig, StateKind, StateLayout, StatePiece, STATE_ALIGN,
+};
 
 const ALIGN: u64 = 256;
 
@@ -110,7 +112,7 @@ pub fn build_state(cfg: &ModelConfig, context: u64, slots: u32) -> StateLayout {
     for p in &mut pieces {
         p.offset = elems;
         p.byte_offset = bytes;
-        elems += p.elems();
+        elems = (elems + p.elems()).div_ceil(STATE_ALIGN) * STATE_ALIGN;
         bytes = (bytes + p.elems() * p.elem.size()).div_ceil(ALIGN) * ALIGN;
     }
     StateLayout {

@@ -4,9 +4,10 @@
 use std::path::Path;
 
 use flashplan_compiler::{compile, default_options, deps::fill_deps, FormSource};
-use flashplan_plan::validate::{lifetimes, validate_variant};
+use flashplan_plan::validate::{lifetimes, validate_state, validate_variant};
 use flashplan_plan::{
     BufId, BufferDecl, FormatError, ModelConfig, Op, PlanSet, Space, ValidationError, VariantKind,
+    STATE_ALIGN,
 };
 
 fn cfg(name: &str) -> ModelConfig {
@@ -304,6 +305,29 @@ fn validator_catches_out_of_bounds_and_misaligned_offsets() {
         validate_variant(&body, &body.variants[0]),
         Err(ValidationError::Bounds { .. })
     ));
+}
+
+#[test]
+fn state_pieces_start_aligned_and_the_validator_refuses_others() {
+    // The CUDA backend reads the GDN recurrent state as float4: every piece at a multiple of STATE_ALIGN elements.
+    for cfg in [tiny(), real()] {
+        let st = build(&cfg, 4096).body.state;
+        assert_eq!(st.slot_elems % STATE_ALIGN, 0);
+        for p in &st.pieces {
+            assert_eq!(p.offset % STATE_ALIGN, 0, "{}", p.name);
+        }
+        // The PLE history (2 token ids) sits before a layer's GDN state in both configs: the padding is needed.
+        assert!(st.pieces.iter().any(|p| p.elems() % STATE_ALIGN != 0));
+        validate_state(&st).expect("aligned");
+        let mut bad = st.clone();
+        bad.pieces[1].offset += 2;
+        let err = validate_state(&bad).expect_err("misaligned");
+        assert!(matches!(err, ValidationError::State { .. }), "{err}");
+        assert!(err.to_string().contains(&bad.pieces[1].name), "{err}");
+        let mut bad = st.clone();
+        bad.slot_elems -= STATE_ALIGN;
+        assert!(validate_state(&bad).is_err());
+    }
 }
 
 #[test]

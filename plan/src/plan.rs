@@ -144,6 +144,10 @@ impl StatePiece {
     }
 }
 
+/// Every state piece starts at a multiple of this many elements (16 bytes), and a slot is a multiple of it: the CUDA
+/// backend reads the GDN recurrent state as float4 (kernels/gdn.cu).
+pub const STATE_ALIGN: u64 = 4;
+
 /// The per-slot state layout, sized for `context` tokens.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StateLayout {
@@ -151,7 +155,7 @@ pub struct StateLayout {
     pub context: u64,
     /// Number of slots (the largest stream count).
     pub slots: u32,
-    /// Elements of one slot (CPU layout).
+    /// Elements of one slot (CPU layout), a multiple of [`STATE_ALIGN`].
     pub slot_elems: u64,
     /// Bytes of one slot on the device.
     pub slot_bytes: u64,

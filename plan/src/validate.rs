@@ -3,7 +3,7 @@
 //! live arena buffers overlap, every offset is in bounds and aligned, every reference exists.
 
 use crate::ops::BufId;
-use crate::plan::{IoBuf, PlanBody, Space, Variant};
+use crate::plan::{IoBuf, PlanBody, Space, StateLayout, Variant, STATE_ALIGN};
 
 /// Arena offsets are multiples of this many 4-byte elements (256 bytes).
 pub const ARENA_ALIGN_ELEMS: u64 = 64;
@@ -45,6 +45,14 @@ pub enum ValidationError {
         /// What is wrong.
         why: String,
     },
+    /// A state piece outside its slot or not aligned.
+    #[error("state piece `{piece}`: {why}")]
+    State {
+        /// Piece name.
+        piece: String,
+        /// What is wrong.
+        why: String,
+    },
     /// A reference to something that does not exist.
     #[error("variant {variant}: node {node}: {why}")]
     Reference {
@@ -62,10 +70,45 @@ fn is_io_input(io: IoBuf) -> bool {
     matches!(io, IoBuf::MainStreams | IoBuf::MtpStreams)
 }
 
-/// Checks every variant of a body.
+/// Checks the state layout and every variant of a body.
 pub fn validate_body(body: &PlanBody) -> Result<(), ValidationError> {
+    validate_state(&body.state)?;
     for v in &body.variants {
         validate_variant(body, v)?;
+    }
+    Ok(())
+}
+
+/// Checks that every state piece lies inside the slot and starts at a multiple of [`STATE_ALIGN`] elements.
+pub fn validate_state(state: &StateLayout) -> Result<(), ValidationError> {
+    for p in &state.pieces {
+        let bad = |why: String| ValidationError::State {
+            piece: p.name.clone(),
+            why,
+        };
+        if p.offset % STATE_ALIGN != 0 {
+            return Err(bad(format!(
+                "element offset {} is not a multiple of {STATE_ALIGN}",
+                p.offset
+            )));
+        }
+        if p.offset + p.elems() > state.slot_elems {
+            return Err(bad(format!(
+                "elements {}..{} exceed the slot's {}",
+                p.offset,
+                p.offset + p.elems(),
+                state.slot_elems
+            )));
+        }
+    }
+    if state.slot_elems % STATE_ALIGN != 0 {
+        return Err(ValidationError::State {
+            piece: "(slot)".into(),
+            why: format!(
+                "{} elements a slot is not a multiple of {STATE_ALIGN}",
+                state.slot_elems
+            ),
+        });
     }
     Ok(())
 }

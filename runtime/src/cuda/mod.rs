@@ -21,10 +21,11 @@
 //! Modules: this one holds the handle and its checks; `worker` the GPU thread (capture, replay, buffers, benchmark
 //! timing); `launch` every node's kernel parameters and launch shape; `fuse` which sibling linears launch as one;
 //! `weights` the upload (BF16, MXFP8); `driver` the owned driver objects (allocations, pinned memory, graphs,
-//! events); `settings` the environment switches.
+//! events); `settings` the environment switches; `gdn_layout` the GDN recurrent state's device layout.
 
 mod driver;
 mod fuse;
+mod gdn_layout;
 mod launch;
 mod settings;
 mod weights;
@@ -498,7 +499,9 @@ impl CudaBackend {
         }
     }
 
-    /// Overwrites a slot's whole state (tests restore a snapshot taken with [`Backend::slot_state`]).
+    /// Overwrites a slot's whole state (tests restore a snapshot taken with [`Backend::slot_state`]), given in the
+    /// plan's layout (`layout.slot_elems` f32; the GDN recurrent state is converted to its device layout,
+    /// `gdn_layout`).
     ///
     /// # Errors
     /// [`BackendError`] for a bad slot or size, or a device error.
@@ -510,11 +513,14 @@ impl CudaBackend {
                 self.body.state.slot_elems
             )));
         }
-        self.call(|tx| Cmd::SetSlot(slot, data.to_vec(), tx))
+        let mut st = data.to_vec();
+        gdn_layout::convert(&self.body.state, &mut st, gdn_layout::Direction::ToDevice);
+        self.call(|tx| Cmd::SetSlot(slot, st, tx))
     }
 
     fn try_reset_slot(&mut self, slot: u32) -> Result<(), BackendError> {
         let eos = f32::from_bits(self.body.config.eos());
+        // Zeros but the PLE history: the same in the plan's layout and the device's (gdn_layout).
         let mut st = vec![0f32; self.body.state.slot_elems as usize];
         for p in &self.body.state.pieces {
             if p.kind == StateKind::PleHistory {
@@ -582,7 +588,11 @@ impl Backend for CudaBackend {
     }
 
     fn slot_state(&self, slot: u32) -> Vec<f32> {
-        self.call(|tx| Cmd::GetSlot(slot, tx)).unwrap_or_default()
+        let mut st = self.call(|tx| Cmd::GetSlot(slot, tx)).unwrap_or_default();
+        if st.len() == self.body.state.slot_elems as usize {
+            gdn_layout::convert(&self.body.state, &mut st, gdn_layout::Direction::ToHost);
+        }
+        st
     }
 }
 

@@ -13,6 +13,28 @@ pub(super) fn commit_in_window_one(v: &Variant, op: &Op) -> bool {
     matches!(op, Op::GdnCommit { .. }) && v.kind.shape().1 == 1
 }
 
+/// The recurrent state's kernels (`gdn_recur`, `gdn_recur_one`, `gdn_commit`) hold a lane's quarter of a column in
+/// registers (at most 128 / 4 rows) and read it as float4 runs of the device layout (kernels/gdn.cu,
+/// [`crate::cuda::gdn_layout`]): dk at most 128 and a multiple of 4, dv at most 1024.
+///
+/// # Errors
+/// [`BackendError::Device`] naming the kernel and the dimension for any other dk or dv.
+pub(super) fn check_state_dims(kernel: &str, dk: u32, dv: u32) -> Result<(), BackendError> {
+    if dk > 128 || !dk.is_multiple_of(4) || dv > 1024 {
+        return Err(BackendError::Device(format!(
+            "{kernel}: linear_key_head_dim {dk} and linear_value_head_dim {dv} are not supported \
+             (expected a key head dim of at most 128 that is a multiple of 4, and a value head dim of at most 1024)"
+        )));
+    }
+    Ok(())
+}
+
+/// Grid of the recurrent state's kernels: blocks of 32 columns over x, value heads over y, streams over z, so a
+/// head's column tiles are next to each other in launch order.
+fn state_grid(hv: u32, streams: u32, dv: u32) -> (u32, u32, u32) {
+    (dv.div_ceil(32), hv, streams)
+}
+
 /// Parameters and launch of a Gated DeltaNet node (`GdnConv`, `GdnRecur`, `GdnCommit`, `GatedNorm`).
 pub(super) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, BackendError> {
     let (streams, window) = v.kind.shape();
@@ -58,11 +80,7 @@ pub(super) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
             dk,
             dv,
         } => {
-            if *dk > 128 || *dv > 1024 {
-                return Err(BackendError::Device(format!(
-                    "gdn_recur: dk {dk} > 128 or dv {dv} > 1024 is not supported"
-                )));
-            }
+            check_state_dims("gdn_recur", *dk, *dv)?;
             let p = FpGdnRecur {
                 c,
                 qkv: a.buf(v, *qkv),
@@ -78,7 +96,13 @@ pub(super) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
                 dk: *dk,
                 dv: *dv,
             };
-            LaunchSpec::new("gdn_recur", bytes(&p), (*hv, streams, dv.div_ceil(32)), 128)
+            // Windows of one row run the one-row update without the chunk staging (the same bits).
+            let kernel = if window == 1 {
+                "gdn_recur_one"
+            } else {
+                "gdn_recur"
+            };
+            LaunchSpec::new(kernel, bytes(&p), state_grid(*hv, streams, *dv), 128)
         }
         Op::GdnCommit {
             stash,
@@ -107,12 +131,8 @@ pub(super) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
                 channels: *channels,
                 kernel: *kernel,
             };
-            LaunchSpec::new(
-                "gdn_commit",
-                bytes(&p),
-                (*hv, streams, dv.div_ceil(32)),
-                128,
-            )
+            check_state_dims("gdn_commit", *dk, *dv)?;
+            LaunchSpec::new("gdn_commit", bytes(&p), state_grid(*hv, streams, *dv), 128)
         }
         Op::GatedNorm {
             x,

@@ -1117,6 +1117,57 @@ fn gdn_conv_takes_a_thread_per_stream_and_channel() {
 }
 
 #[test]
+fn the_state_kernels_put_a_heads_column_tiles_side_by_side_and_one_row_takes_gdn_recur_one() {
+    // kernels/gdn.cu: blocks of 32 columns over x, value heads over y, streams over z (a head's tiles next to each
+    // other in launch order); windows of one row take gdn_recur_one, wider ones gdn_recur, then gdn_commit.
+    let mut seen = std::collections::BTreeSet::new();
+    for (v, sp) in tiny_specs(true).into_iter().chain(tiny_specs(false)) {
+        let (streams, window) = v.kind.shape();
+        for (n, s) in v.nodes.iter().zip(&sp) {
+            let (hv, dv, want) = match (&n.op, window) {
+                (Op::GdnRecur { hv, dv, .. }, 1) => (hv, dv, "gdn_recur_one"),
+                (Op::GdnRecur { hv, dv, .. }, _) => (hv, dv, "gdn_recur"),
+                (Op::GdnCommit { hv, dv, .. }, _) => (hv, dv, "gdn_commit"),
+                _ => continue,
+            };
+            // Window-one commits are left out of the graph (commit_in_window_one).
+            let Some(s) = s else {
+                assert!(window == 1 && want == "gdn_commit", "{}", v.kind.name());
+                continue;
+            };
+            assert_eq!(s.kernel, want, "{}", v.kind.name());
+            assert_eq!(
+                (s.grid, s.block),
+                ((dv.div_ceil(32), *hv, streams), (128, 1, 1)),
+                "{}",
+                v.kind.name()
+            );
+            seen.insert((want, streams > 1));
+        }
+    }
+    for k in ["gdn_recur_one", "gdn_recur", "gdn_commit"] {
+        assert!(seen.contains(&(k, true)), "{k} at 2 streams: {seen:?}");
+    }
+}
+
+#[test]
+fn the_state_kernels_refuse_head_dims_they_cannot_hold() {
+    // A lane holds a quarter of a column as float4 runs (kernels/gdn.cu): dk at most 128 and a multiple of 4.
+    for (dk, dv) in [(128, 128), (16, 16), (4, 1024)] {
+        super::gdn::check_state_dims("gdn_recur", dk, dv).expect("supported");
+    }
+    for (dk, dv, named) in [
+        (130, 128, "linear_key_head_dim 130"),
+        (6, 16, "linear_key_head_dim 6"),
+        (128, 1056, "linear_value_head_dim 1056"),
+    ] {
+        let err = super::gdn::check_state_dims("gdn_commit", dk, dv).expect_err("refused");
+        let msg = err.to_string();
+        assert!(msg.contains("gdn_commit") && msg.contains(named), "{msg}");
+    }
+}
+
+#[test]
 fn experts_grids_have_one_block_per_8_warps_of_items_and_both_down_kernels_run() {
     let mut seen = 0;
     let mut downs = std::collections::BTreeSet::new();
