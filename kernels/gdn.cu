@@ -125,33 +125,35 @@ extern "C" __global__ void gdn_conv(const FpGdnConv p) {
 #define GDN_QD (GDN_MAX_DK / 4)
 
 // Device layout of a value head's state (the CPU's is row-major [dk, dv]; runtime/src/cuda/gdn_layout.rs converts):
-// tiles of 32 columns (the last one w = dv - 32 z wide), tile z at z * dk * 32 and each [dk / 4, w, 4]: element
-// (row, col) at ((row / 4) * w + col % 32) * 4 + row % 4. A block's tile is one run of memory, a lane's quarter is
-// GDN_QD / 4 float4 loads, and each warp load reads four whole 128-byte lines (needs dk % 4 == 0, checked at launch,
-// and 16-byte aligned heads: the plan's state pieces start at multiples of 4 elements). The state of the lane holding
-// rows [i0, i0 + n) of column e: its first float4; the next ones are w apart.
-DEV float4* gdn_state_at(float* head, u32 dk, u32 dv, u32 e, u32 i0, u32& w) {
-    const u32 z = e / 32;
-    w = dv - 32 * z < 32 ? dv - 32 * z : 32;
-    return (float4*)(head + (u64)z * dk * 32) + (i0 / 4) * w + e % 32;
+// tiles of 32 columns (the last one w = dv - 32 z wide), tile z at z * dk * 32. In a tile, with nq = dk / 32 quarters
+// of 32 rows (nq = 1 when dk < 32), element (row, col) of quarter q = row / 32, i = row % 32 is float
+// i % 4 of float4 ((i / 4) * w + col % 32) * nq + q: the lanes of a warp (8 columns x 4 quarters) read 512
+// consecutive bytes with each float4 load, a lane's quarter is GDN_QD / 4 such loads, and a block's tile is one run of
+// memory. Needs dk % 4 == 0 and dk <= 32 or dk % 32 == 0 (checked at launch) and 16-byte aligned heads (the plan's
+// state pieces start at multiples of 4 elements). Returns the first float4 of the lane holding rows [i0, i0 + n) of
+// column e; the next ones are `stride` apart.
+DEV float4* gdn_state_at(float* head, u32 dk, u32 dv, u32 e, u32 i0, u32& stride) {
+    const u32 z = e / 32, w = dv - 32 * z < 32 ? dv - 32 * z : 32, nq = dk >= 32 ? dk / 32 : 1;
+    stride = w * nq;
+    return (float4*)(head + (u64)z * dk * 32) + (e % 32) * nq + i0 / GDN_QD;
 }
 // Loads the lane's n rows (n % 4 == 0) from `at` (gdn_state_at), zeros past them; EARLY: before the wait on the
 // previous kernel (ld_early_*, common.cuh).
-template <bool EARLY> DEV void gdn_load_state(float (&S)[GDN_QD], const float4* at, u32 w, u32 n) {
+template <bool EARLY> DEV void gdn_load_state(float (&S)[GDN_QD], const float4* at, u32 stride, u32 n) {
 #pragma unroll
     for (u32 j = 0; j < GDN_QD / 4; j++) {
         float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (4 * j < n) x = EARLY ? ld_early_f32x4(at + (u64)j * w) : at[(u64)j * w];
+        if (4 * j < n) x = EARLY ? ld_early_f32x4(at + (u64)j * stride) : at[(u64)j * stride];
         S[4 * j] = x.x;
         S[4 * j + 1] = x.y;
         S[4 * j + 2] = x.z;
         S[4 * j + 3] = x.w;
     }
 }
-DEV void gdn_store_state(float4* at, u32 w, u32 n, const float (&S)[GDN_QD]) {
+DEV void gdn_store_state(float4* at, u32 stride, u32 n, const float (&S)[GDN_QD]) {
 #pragma unroll
     for (u32 j = 0; j < GDN_QD / 4; j++)
-        if (4 * j < n) at[(u64)j * w] = make_float4(S[4 * j], S[4 * j + 1], S[4 * j + 2], S[4 * j + 3]);
+        if (4 * j < n) at[(u64)j * stride] = make_float4(S[4 * j], S[4 * j + 1], S[4 * j + 2], S[4 * j + 3]);
 }
 DEV float quarter_sum(float a) {
     a += __shfl_xor_sync(FULL_MASK, a, 1);
@@ -226,10 +228,10 @@ extern "C" __global__ void gdn_recur(const FpGdnRecur p) {
     const u32 sw = p.hk * p.dk + p.hv * p.dv + 2 * p.hv;
     const u64 dkdv = (u64)p.dk * p.dv;
     const u32 i0 = q * GDN_QD, n = p.dk > i0 ? (p.dk - i0 < GDN_QD ? p.dk - i0 : GDN_QD) : 0;
-    u32 w;
-    float4* at = gdn_state_at(state_of(c, slot, p.state) + h * dkdv, p.dk, p.dv, e, i0, w);
+    u32 stride;
+    float4* at = gdn_state_at(state_of(c, slot, p.state) + h * dkdv, p.dk, p.dv, e, i0, stride);
     float S[GDN_QD];
-    gdn_load_state<true>(S, at, w, own ? n : 0);
+    gdn_load_state<true>(S, at, stride, own ? n : 0);
     const float scale = 1.0f / sqrtf((float)p.dk);
     const float alog = -expf(bfw(p.a_log, h));
     const float dtb = bfw(p.dt_bias, h);
@@ -342,10 +344,10 @@ extern "C" __global__ void __launch_bounds__(128, 7) gdn_recur_one(const FpGdnRe
     const u32 sw = p.hk * p.dk + p.hv * p.dv + 2 * p.hv;
     const u64 dkdv = (u64)p.dk * p.dv;
     const u32 i0 = q * GDN_QD, n = p.dk > i0 ? (p.dk - i0 < GDN_QD ? p.dk - i0 : GDN_QD) : 0;
-    u32 w;
-    float4* at = gdn_state_at(state_of(c, slot, p.state) + h * dkdv, p.dk, p.dv, e, i0, w);
+    u32 stride;
+    float4* at = gdn_state_at(state_of(c, slot, p.state) + h * dkdv, p.dk, p.dv, e, i0, stride);
     float S[GDN_QD];
-    gdn_load_state<true>(S, at, w, own ? n : 0);
+    gdn_load_state<true>(S, at, stride, own ? n : 0);
     const float scale = 1.0f / sqrtf((float)p.dk);
     const float alog = -expf(bfw(p.a_log, h));
     const float dtb = bfw(p.dt_bias, h);
@@ -397,7 +399,7 @@ extern "C" __global__ void __launch_bounds__(128, 7) gdn_recur_one(const FpGdnRe
         if (own && i < n) o += S[i] * qr[i];
     o = quarter_sum(o);
     if (own && q == 0) fptr(p.out)[(u64)s * p.hv * p.dv + h * p.dv + e] = o;
-    gdn_store_state(at, w, own ? n : 0, S);
+    gdn_store_state(at, stride, own ? n : 0, S);
 }
 
 // Block (32 columns, h, s): replays the first keep rows' stashed (k, v, g, beta) into the slot state; the blocks of
@@ -417,10 +419,10 @@ extern "C" __global__ void gdn_commit(const FpGdnCommit p) {
     const u64 dkdv = (u64)p.dk * p.dv;
     const u32 i0 = q * GDN_QD, n = p.dk > i0 ? (p.dk - i0 < GDN_QD ? p.dk - i0 : GDN_QD) : 0;
     if (k > 0) {
-        u32 w;
-        float4* at = gdn_state_at(state_of(c, st.slot, p.state) + h * dkdv, p.dk, p.dv, e, i0, w);
+        u32 stride;
+        float4* at = gdn_state_at(state_of(c, st.slot, p.state) + h * dkdv, p.dk, p.dv, e, i0, stride);
         float S[GDN_QD];
-        gdn_load_state<false>(S, at, w, own ? n : 0);
+        gdn_load_state<false>(S, at, stride, own ? n : 0);
         for (u32 j = 0; j < k; j++) {
             const float* srow = fptr(p.stash) + ((u64)s * c.window + j) * sw;
             const float g = srow[p.hk * p.dk + p.hv * p.dv + h];
@@ -428,7 +430,7 @@ extern "C" __global__ void gdn_commit(const FpGdnCommit p) {
             const float v = own ? srow[p.hk * p.dk + h * p.dv + e] : 0.0f;
             gdn_update_q(S, srow + kh * p.dk + i0, v, g, beta, own ? n : 0);
         }
-        gdn_store_state(at, w, own ? n : 0, S);
+        gdn_store_state(at, stride, own ? n : 0, S);
     }
     // Nothing kept (a padding stream, rows 0): write nothing. Its slot may be a live stream's (the engine pads with
     // slot 0), whose blocks in this same launch shift that conv state; even a rewrite of the old values would race.

@@ -15,15 +15,17 @@ pub(super) fn commit_in_window_one(v: &Variant, op: &Op) -> bool {
 
 /// The recurrent state's kernels (`gdn_recur`, `gdn_recur_one`, `gdn_commit`) hold a lane's quarter of a column in
 /// registers (at most 128 / 4 rows) and read it as float4 runs of the device layout (kernels/gdn.cu,
-/// [`crate::cuda::gdn_layout`]): dk at most 128 and a multiple of 4, dv at most 1024.
+/// [`crate::cuda::gdn_layout`]): dk at most 128, a multiple of 4, and at most 32 or a multiple of 32; dv at most 1024.
 ///
 /// # Errors
 /// [`BackendError::Device`] naming the kernel and the dimension for any other dk or dv.
 pub(super) fn check_state_dims(kernel: &str, dk: u32, dv: u32) -> Result<(), BackendError> {
-    if dk > 128 || !dk.is_multiple_of(4) || dv > 1024 {
+    let dk_ok = dk <= 128 && dk.is_multiple_of(4) && (dk <= 32 || dk.is_multiple_of(32));
+    if !dk_ok || dv > 1024 {
         return Err(BackendError::Device(format!(
             "{kernel}: linear_key_head_dim {dk} and linear_value_head_dim {dv} are not supported \
-             (expected a key head dim of at most 128 that is a multiple of 4, and a value head dim of at most 1024)"
+             (expected a key head dim that is a multiple of 4 and at most 32, or 64, 96 or 128, \
+             and a value head dim of at most 1024)"
         )));
     }
     Ok(())

@@ -1152,13 +1152,15 @@ fn the_state_kernels_put_a_heads_column_tiles_side_by_side_and_one_row_takes_gdn
 
 #[test]
 fn the_state_kernels_refuse_head_dims_they_cannot_hold() {
-    // A lane holds a quarter of a column as float4 runs (kernels/gdn.cu): dk at most 128 and a multiple of 4.
-    for (dk, dv) in [(128, 128), (16, 16), (4, 1024)] {
+    // A lane holds a quarter of a column as float4 runs (kernels/gdn.cu): dk at most 128, a multiple of 4, and at
+    // most 32 or a multiple of 32.
+    for (dk, dv) in [(128, 128), (16, 16), (4, 1024), (64, 8), (32, 32)] {
         super::gdn::check_state_dims("gdn_recur", dk, dv).expect("supported");
     }
     for (dk, dv, named) in [
-        (130, 128, "linear_key_head_dim 130"),
+        (160, 128, "linear_key_head_dim 160"),
         (6, 16, "linear_key_head_dim 6"),
+        (48, 16, "linear_key_head_dim 48"),
         (128, 1056, "linear_value_head_dim 1056"),
     ] {
         let err = super::gdn::check_state_dims("gdn_commit", dk, dv).expect_err("refused");
