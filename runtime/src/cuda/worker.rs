@@ -725,7 +725,7 @@ impl Worker {
         for sp in &specs {
             // A node without a launch costs nothing of its own: fused into another node's launch (a linear run's
             // first node, or the norm after an embed or gather: that launch's time stands at its own node), or a
-            // window-1 gdn_commit done by gdn_conv and gdn_recur.
+            // window-1 gdn_commit done by gdn_conv and gdn_recur_one.
             let Some(sp) = sp else {
                 nodes_us.push(0.0);
                 continue;

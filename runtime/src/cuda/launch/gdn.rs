@@ -5,10 +5,10 @@ use flashplan_plan::GateAct;
 
 use super::*;
 
-/// Whether node `op` of variant `v` is a `GdnCommit` whose work its layer's `gdn_conv` and `gdn_recur` already did:
+/// Whether node `op` of variant `v` is a `GdnCommit` whose work its layer's `gdn_conv` and `gdn_recur_one` already did:
 /// in a window of one row the row is always kept (`keep_count`: keep = rows, 0 or 1), so those kernels commit it
 /// themselves (kernels/gdn.cu) and the commit launch is left out of the graph. The state is the same bits:
-/// `gdn_recur` writes the state its own update produced, the update `gdn_commit` would have replayed.
+/// `gdn_recur_one` writes the state its own update produced, the update `gdn_commit` would have replayed.
 pub(super) fn commit_in_window_one(v: &Variant, op: &Op) -> bool {
     matches!(op, Op::GdnCommit { .. }) && v.kind.shape().1 == 1
 }
