@@ -198,6 +198,46 @@ DEV void gdn_quarter(const float* src, float (&dst)[GDN_QD]) {
     }
 }
 
+// What gdn_recur and gdn_recur_one set up alike: block (32 columns, value head h, stream s), the stream's slot and
+// rows, the thread's column e (4 lanes a column) and quarter q of its rows (i0 .. i0 + n), the key head kh, the row
+// widths of qkv (ch) and of the stash (sw), where the lane's state lies (gdn_state_at), and the head's constants.
+struct GdnLane {
+    u32 h, s, slot, rows, q, lane, warp, e, kh, ch, sw, i0, n, stride;
+    bool own;  // e < dv
+    float4* at;
+    float scale, alog, dtb;
+};
+// Sets L and loads the lane's quarter of the state into S, before the wait on the previous kernel (the state and
+// the descriptor through L2: ld_early_*, common.cuh); false, after the wait, for a block past the heads or streams
+// (it returns: no early exit before the wait).
+DEV bool gdn_lane(const FpGdnRecur& p, GdnLane& L, float (&S)[GDN_QD]) {
+    const FpCommon& c = p.c;
+    L.h = blockIdx.y;
+    L.s = blockIdx.z;
+    if (L.h >= p.hv || L.s >= c.nstreams) {
+        pdl_start();
+        return false;
+    }
+    stream_early(c, L.s, L.slot, L.rows);
+    L.q = threadIdx.x & 3;
+    L.lane = threadIdx.x & 31;
+    L.warp = threadIdx.x >> 5;
+    L.e = blockIdx.x * (blockDim.x / 4) + threadIdx.x / 4;
+    L.own = L.e < p.dv;
+    L.kh = L.h / (p.hv / p.hk);
+    L.ch = 2 * p.hk * p.dk + p.hv * p.dv;
+    L.sw = p.hk * p.dk + p.hv * p.dv + 2 * p.hv;
+    L.i0 = L.q * GDN_QD;
+    L.n = p.dk > L.i0 ? (p.dk - L.i0 < GDN_QD ? p.dk - L.i0 : GDN_QD) : 0;
+    const u64 dkdv = (u64)p.dk * p.dv;
+    L.at = gdn_state_at(state_of(c, L.slot, p.state) + L.h * dkdv, p.dk, p.dv, L.e, L.i0, L.stride);
+    gdn_load_state<true>(S, L.at, L.stride, L.own ? L.n : 0);
+    L.scale = 1.0f / sqrtf((float)p.dk);
+    L.alog = -expf(bfw(p.a_log, L.h));
+    L.dtb = bfw(p.dt_bias, L.h);
+    return true;
+}
+
 // Windows of more than one row (one row: gdn_recur_one below, the same bits).
 // Per row: l2-normalised q (scaled by 1/sqrt(dk)) and k of key head h / (hv/hk), beta = sigmoid(b),
 // g = -exp(A_log) softplus(a + dt_bias), update, o = S^T q. Stash: k, v, g, beta. In chunks of GDN_CHUNK rows:
@@ -210,31 +250,15 @@ extern "C" __global__ void gdn_recur(const FpGdnRecur p) {
     __shared__ float vs[GDN_CHUNK][32];
     __shared__ float gs[GDN_CHUNK];
     __shared__ float bs[GDN_CHUNK];
-    const FpCommon& c = p.c;
-    const u32 h = blockIdx.y, s = blockIdx.z;
-    if (h >= p.hv || s >= c.nstreams) {
-        pdl_start();  // no early exit before the wait (common.cuh, ld_early_*)
-        return;
-    }
-    u32 slot, rows;
-    stream_early(c, s, slot, rows);
-    const u32 q = threadIdx.x & 3, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const u32 e0 = blockIdx.x * (blockDim.x / 4);
-    const u32 e = e0 + threadIdx.x / 4;
-    const bool own = e < p.dv;
-    const bool lead = blockIdx.x == 0;
-    const u32 kh = h / (p.hv / p.hk);
-    const u32 ch = 2 * p.hk * p.dk + p.hv * p.dv;
-    const u32 sw = p.hk * p.dk + p.hv * p.dv + 2 * p.hv;
-    const u64 dkdv = (u64)p.dk * p.dv;
-    const u32 i0 = q * GDN_QD, n = p.dk > i0 ? (p.dk - i0 < GDN_QD ? p.dk - i0 : GDN_QD) : 0;
-    u32 stride;
-    float4* at = gdn_state_at(state_of(c, slot, p.state) + h * dkdv, p.dk, p.dv, e, i0, stride);
+    GdnLane L;
     float S[GDN_QD];
-    gdn_load_state<true>(S, at, stride, own ? n : 0);
-    const float scale = 1.0f / sqrtf((float)p.dk);
-    const float alog = -expf(bfw(p.a_log, h));
-    const float dtb = bfw(p.dt_bias, h);
+    if (!gdn_lane(p, L, S)) return;
+    const FpCommon& c = p.c;
+    const u32 h = L.h, s = L.s, rows = L.rows, q = L.q, lane = L.lane, warp = L.warp, e = L.e, kh = L.kh;
+    const u32 sw = L.sw, i0 = L.i0, n = L.n;
+    const bool own = L.own, lead = blockIdx.x == 0;
+    const float scale = L.scale, alog = L.alog, dtb = L.dtb;
+    const u32 e0 = blockIdx.x * (blockDim.x / 4), ch = L.ch;
     // The state, the stream's slot and rows, and the weights above are loaded before the wait on the previous kernel
     // (programmatic dependent launch; the state and the descriptor through L2, `ld_early_*` in common.cuh, which
     // gives the rule): no kernel of the round writes them before this one (the state is written by gdn_commit at the
@@ -328,29 +352,13 @@ extern "C" __global__ void gdn_recur(const FpGdnRecur p) {
 extern "C" __global__ void __launch_bounds__(128, 7) gdn_recur_one(const FpGdnRecur p) {
     __shared__ __align__(16) float qs[4][GDN_MAX_DK + GDN_MAX_DK / 8];
     __shared__ __align__(16) float ks[4][GDN_MAX_DK + GDN_MAX_DK / 8];
-    const FpCommon& c = p.c;
-    const u32 h = blockIdx.y, s = blockIdx.z;
-    if (h >= p.hv || s >= c.nstreams) {
-        pdl_start();  // no early exit before the wait (common.cuh, ld_early_*)
-        return;
-    }
-    u32 slot, rows;
-    stream_early(c, s, slot, rows);
-    const u32 q = threadIdx.x & 3, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const u32 e = blockIdx.x * (blockDim.x / 4) + threadIdx.x / 4;
-    const bool own = e < p.dv;
-    const u32 kh = h / (p.hv / p.hk);
-    const u32 ch = 2 * p.hk * p.dk + p.hv * p.dv;
-    const u32 sw = p.hk * p.dk + p.hv * p.dv + 2 * p.hv;
-    const u64 dkdv = (u64)p.dk * p.dv;
-    const u32 i0 = q * GDN_QD, n = p.dk > i0 ? (p.dk - i0 < GDN_QD ? p.dk - i0 : GDN_QD) : 0;
-    u32 stride;
-    float4* at = gdn_state_at(state_of(c, slot, p.state) + h * dkdv, p.dk, p.dv, e, i0, stride);
+    GdnLane L;
     float S[GDN_QD];
-    gdn_load_state<true>(S, at, stride, own ? n : 0);
-    const float scale = 1.0f / sqrtf((float)p.dk);
-    const float alog = -expf(bfw(p.a_log, h));
-    const float dtb = bfw(p.dt_bias, h);
+    if (!gdn_lane(p, L, S)) return;
+    const u32 h = L.h, s = L.s, rows = L.rows, q = L.q, lane = L.lane, warp = L.warp, e = L.e, kh = L.kh;
+    const u32 ch = L.ch, sw = L.sw, i0 = L.i0, n = L.n;
+    const bool own = L.own;
+    const float scale = L.scale, alog = L.alog, dtb = L.dtb;
     // Loaded before the wait as in gdn_recur (its comment gives why that is sound); the row after it.
     pdl_start();
     if (rows == 0) return;
@@ -399,7 +407,7 @@ extern "C" __global__ void __launch_bounds__(128, 7) gdn_recur_one(const FpGdnRe
         if (own && i < n) o += S[i] * qr[i];
     o = quarter_sum(o);
     if (own && q == 0) fptr(p.out)[(u64)s * p.hv * p.dv + h * p.dv + e] = o;
-    gdn_store_state(at, stride, own ? n : 0, S);
+    gdn_store_state(L.at, L.stride, own ? n : 0, S);
 }
 
 // Block (32 columns, h, s): replays the first keep rows' stashed (k, v, g, beta) into the slot state; the blocks of
