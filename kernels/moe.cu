@@ -2,8 +2,8 @@
 // - router (logits of every row into scratch [rows, experts], warp per expert; with router_topk, tiles of at most 4
 //   rows over blockIdx.y); its last block to finish (integer count in the node's `done` counter) does the top-k of
 //   every row, warp per row (softmax, repeated argmax with the lowest index on ties, renormalised in rank order).
-//   With done == 0 (FLASHPLAN_FUSE_SMALL=0) router_topk does the same as a second launch (block per row, radix
-//   select): the same values bit for bit;
+//   With done == 0 a second launch does the same: beyond 8 rows router_topk_w (the same warp per row, 8 rows a
+//   block), with FLASHPLAN_FUSE_SMALL=0 router_topk (block per row, radix select): the same values bit for bit;
 // - experts (warp per (two pairs of intermediate features, row, rank), feature-major: silu(gate x) * up x into
 //   scratch) then experts_down or experts_down_f4 (warp per (one or four output features, row): four groups of 8
 //   lanes take the ranks, summed in rank order); feature-major, so rows routed to one expert read its rows side by
@@ -272,6 +272,18 @@ extern "C" __global__ void router_t1(const FpRouter p) { pdl_start(); router_ent
 extern "C" __global__ void router_t2(const FpRouter p) { pdl_start(); router_entry<2, 4, true>(p); }
 extern "C" __global__ void router_t4(const FpRouter p) { pdl_start(); router_entry<4, 2, true>(p); }
 extern "C" __global__ void router_t8(const FpRouter p) { pdl_start(); router_entry<8, 1, true>(p); }
+
+// Beyond 8 rows with FLASHPLAN_FUSE_SMALL, after the logits in tiles over blockIdx.y: a warp per row, 8 rows a block
+// (router_topk_warp, the fused router's per-row top-k: bit for bit router_topk's values).
+extern "C" __global__ void router_topk_w(const FpRouter p) {
+    pdl_start();
+    const u32 lane = threadIdx.x & 31, r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (r >= p.c.nstreams * p.c.window || !row_ok(p.c, r, false)) return;
+    if (p.experts <= 16 * 32)
+        router_topk_warp<16>(p, r, lane);
+    else
+        router_topk_warp<32>(p, r, lane);
+}
 
 // Block per row (ROUTER_TOPK_THREADS threads) over the logits in scratch, thread per expert: p = softmax (block max and block sum, fixed trees);
 // the top-k by (p descending, id ascending), as repeated argmax with lowest-id ties: radix select of the k-th

@@ -411,6 +411,7 @@ mod tests {
             "indexer_commit",
             "router_t1",
             "router_t8",
+            "router_topk_w",
             "experts",
             "experts_down",
             "experts_down_f4",

@@ -5,7 +5,8 @@ use super::linear::one_wave;
 use super::*;
 
 /// The router's logits entry points per row tile (kernels/moe.cu): up to 8 rows in one launch with
-/// `FLASHPLAN_FUSE_SMALL`; beyond 8 rows, or without it, tiles of at most 4 rows followed by `router_topk`.
+/// `FLASHPLAN_FUSE_SMALL`; beyond 8 rows, or without it, tiles of at most 4 rows followed by a top-k launch
+/// ([`ThenTopk`]).
 const ROUTER: ByRows = &["router_t1", "router_t2", "router_t4", "router_t8"];
 
 /// The shared expert's gate/up entry points per row tile (kernels/moe.cu).
@@ -27,6 +28,27 @@ const ROUTER_TOPK_THREADS: u32 = 1024;
 /// for the replay's four routers), slower at 16 rows (238 against 218 us), where `router_topk`'s block per row
 /// follows instead.
 const ROUTER_ONE_LAUNCH_ROWS: u32 = 8;
+
+/// Rows of `router_topk_w` per block of 256 threads (kernels/moe.cu: a warp per row).
+const ROUTER_TOPK_W_ROWS: u32 = 8;
+
+/// The top-k launch after the router's logits in tiles (beyond [`ROUTER_ONE_LAUNCH_ROWS`] rows, or without
+/// `FLASHPLAN_FUSE_SMALL`): with the switch `router_topk_w`, a warp per row (the fused router's `router_topk_warp`,
+/// [`ROUTER_TOPK_W_ROWS`] rows a block), else `router_topk`, a block of [`ROUTER_TOPK_THREADS`] per row; the same
+/// bits. H200 (twenty-third session), 16 rows: the router's node 19.4-19.6 -> 16.0-16.2 us, lone-w12 2005.5 /
+/// 2007.7 -> 1998.6 / 1996.4 us, verify-s16-w1 within the runs' spread (2446.0-2449.7 us both ways).
+trait ThenTopk {
+    fn then_topk(self, rows: u32, fuse_small: bool) -> LaunchSpec;
+}
+impl ThenTopk for LaunchSpec {
+    fn then_topk(self, rows: u32, fuse_small: bool) -> LaunchSpec {
+        if fuse_small {
+            self.then("router_topk_w", rows.div_ceil(ROUTER_TOPK_W_ROWS), 256)
+        } else {
+            self.then("router_topk", rows, ROUTER_TOPK_THREADS)
+        }
+    }
+}
 
 /// Most routed experts per row (`MOE_MAX_TOPK` in `kernels/moe.cu`).
 const MOE_MAX_TOPK: u32 = 32;
@@ -311,8 +333,8 @@ pub(super) fn router_spec(
              1024)"
         )));
     }
-    // One launch up to ROUTER_ONE_LAUNCH_ROWS rows (the last block's 8 warps do every row's top-k); beyond,
-    // router_topk's block per row (the same bits).
+    // One launch up to ROUTER_ONE_LAUNCH_ROWS rows (the last block's 8 warps do every row's top-k); beyond, a
+    // top-k launch (`then_topk`: the same bits).
     let one_launch = a.fuse_small && rows <= ROUTER_ONE_LAUNCH_ROWS;
     let p = FpRouter {
         c: a.common,
@@ -348,6 +370,6 @@ pub(super) fn router_spec(
             (experts.div_ceil(ROUTER_EXPERTS_PER_BLOCK), tiles, 1),
             256,
         )
-        .then("router_topk", rows, ROUTER_TOPK_THREADS)
+        .then_topk(rows, a.fuse_small)
     })
 }

@@ -620,7 +620,7 @@ fn wide_tiny_plan() -> PlanBody {
 fn router_blocks_take_8_experts_at_every_row_count() {
     // A warp per expert in every router entry point: 8 experts a block of 8 warps; one launch up to 8 rows with
     // FLASHPLAN_FUSE_SMALL, else the row tile's entry (router_t4 from 3 rows) in tiles of at most 4 rows over the
-    // grid's y, then router_topk.
+    // grid's y, then the top-k launch (router_topk_w with the switch, router_topk without).
     let body = wide_tiny_plan();
     let mut seen = std::collections::BTreeSet::new();
     for fuse_small in [false, true] {
@@ -652,7 +652,14 @@ fn router_blocks_take_8_experts_at_every_row_count() {
                     assert_eq!(sp.kernel, format!("router_t{tile}"), "{what}");
                     assert_eq!(sp.grid.1, rows.div_ceil(tile), "{what}");
                     assert_eq!(sp.then.len(), 1, "{what}");
-                    assert_eq!(sp.then[0].0, "router_topk", "{what}");
+                    // The top-k: with the switch a warp per row, 8 rows a block; without it a block per row.
+                    let want = if fuse_small {
+                        ("router_topk_w", (rows.div_ceil(8), 1, 1), 256)
+                    } else {
+                        ("router_topk", (rows, 1, 1), 1024)
+                    };
+                    let t = &sp.then[0];
+                    assert_eq!((t.0, t.1, t.2), want, "{what}");
                 }
                 seen.insert(rows);
             }
