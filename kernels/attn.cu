@@ -276,7 +276,8 @@ extern "C" __global__ void indexer_select(const FpIndexerSelect p) {
 // Value loads of P.V in flight per thread (a batch of tokens, summed in token order after).
 #define SA_PV_U 16
 // Tokens of a warp whose scores share each head's load of q (SA_CHUNK / ATTN_WARPS = 4 tokens a warp): 2 keep the
-// kernel at 80 registers, three blocks an SM; 4 spilled (14 stores) and were slower at 16 rows (99.4 against 94.5 us).
+// kernel at 80 registers, three blocks an SM; 4 spilled (14 stores) and were slower at 16 rows (99.1-99.4 against
+// 94.3-94.6 us a replay).
 #define SA_QT 2
 DEV u32 sa_nt(const FpSparseAttn& p, u32 pos, u32& nsel, u32& nb) {
     nb = (pos + 1) / p.ratio;
@@ -387,8 +388,9 @@ DEV void sparse_attn_g(const FpSparseAttn& p) {
                 sa_dims(kc + (u64)toks[i < cnt ? i : 0] * w + (u64)kv * hd, i < cnt ? hd : 0, lane, aligned, kreg[u]);
             }
             // SA_QT tokens at a time: each head's q is read from shared memory once for them, where a token at a
-            // time read it once a token (H200, 16 rows: 108.4 -> 94.5 us a replay; one row 19.3 -> 17.2 us). The
-            // same products and warp sums: the same bits.
+            // time read it once a token (H200, lone-w16: 108.3-108.9 -> 94.3-94.6 us a replay; one row 19.2-19.4 ->
+            // 17.1-17.2 us). The same products and warp sums: the same bits.
+            static_assert((SA_CHUNK / ATTN_WARPS) % SA_QT == 0, "SA_QT divides a warp's tokens");
 #pragma unroll
             for (int u0 = 0; u0 < SA_CHUNK / ATTN_WARPS; u0 += SA_QT) {
                 float a[SA_QT][SA_MAX_G];

@@ -1,6 +1,6 @@
 // Mixture of experts, each op in two launches (the runtime launches both for one node), the router in one:
-// - router (logits of every row into scratch [rows, experts], warp per expert; with router_topk, tiles of at most 4
-//   rows over blockIdx.y); its last block to finish (integer count in the node's `done` counter) does the top-k of
+// - router (logits of every row into scratch [rows, experts], warp per expert; with a second top-k launch,
+//   router_topk_w or router_topk, tiles of at most 4 rows over blockIdx.y); its last block to finish (integer count in the node's `done` counter) does the top-k of
 //   every row, warp per row (softmax, repeated argmax with the lowest index on ties, renormalised in rank order).
 //   With done == 0 a second launch does the same: beyond 8 rows router_topk_w (the same warp per row, 8 rows a
 //   block), with FLASHPLAN_FUSE_SMALL=0 router_topk (block per row, radix select): the same values bit for bit;
@@ -254,7 +254,7 @@ DEV void router_last_block(const FpRouter& p, u32 R) {
 }
 
 // Entry points per row tile (router_t1 .. router_t8: up to 8 rows in one launch, beyond that router_t4 in tiles of
-// 4 rows over blockIdx.y with router_topk following). A warp takes one expert, 8 experts a block
+// 4 rows over blockIdx.y with router_topk_w following, or router_topk with FLASHPLAN_FUSE_SMALL=0). A warp takes one expert, 8 experts a block
 // (runtime/src/cuda/launch/moe.rs `ROUTER_EXPERTS_PER_BLOCK`), and loads each batch's activation chunks with its
 // weights (`PRE`): router_t1 a lane's 10 chunks of the row (K = 2560 at the real width) at once, router_t2 4, router_t4
 // 2 and router_t8 1 chunk of every row (so the batch's activations stay in 128 registers a thread: two blocks an SM).

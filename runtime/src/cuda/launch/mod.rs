@@ -207,7 +207,7 @@ impl Addrs<'_> {
 type ByRows = &'static [&'static str];
 
 /// Most rows per block for the kernels that also spread row tiles over blocks (`blockIdx.y`: hc_read,
-/// shared_expert, shared_expert_down, and the router's logits when router_topk follows): beyond it
+/// shared_expert, shared_expert_down, and the router's logits when a top-k launch follows): beyond it
 /// they take tiles of this many rows (their entry points stop at t4), one grid row of blocks per tile, instead of
 /// one block walking every tile (each lane's activation loads for all the rows of a tile wait in turn; the
 /// weights, at most 13 MB, are read again per tile mostly from L2). The tile never changes a row's arithmetic.

@@ -25,8 +25,8 @@ const ROUTER_TOPK_THREADS: u32 = 1024;
 
 /// Most rows for which the router runs as one launch (`FLASHPLAN_FUSE_SMALL`): its last block's 8 warps do the
 /// top-k of every row, one row per warp up to 8 rows. Measured on the H200: faster at one row (46 against 58 us
-/// for the replay's four routers), slower at 16 rows (238 against 218 us), where `router_topk`'s block per row
-/// follows instead.
+/// for the replay's four routers), slower at 16 rows (238 against 218 us, against `router_topk`'s block per row),
+/// where a second top-k launch follows instead ([`ThenTopk`]).
 const ROUTER_ONE_LAUNCH_ROWS: u32 = 8;
 
 /// Rows of `router_topk_w` per block of 256 threads (kernels/moe.cu: a warp per row).
@@ -305,7 +305,8 @@ pub(super) fn branch_shared_experts(
 }
 
 /// Parameters and launches of a `Router` node (`node`: its index, for its counter): its logits, and the top-k in the
-/// logits launch's last block up to [`ROUTER_ONE_LAUNCH_ROWS`] rows (`FLASHPLAN_FUSE_SMALL`), else in `router_topk`.
+/// logits launch's last block up to [`ROUTER_ONE_LAUNCH_ROWS`] rows (`FLASHPLAN_FUSE_SMALL`), else in a second launch
+/// ([`ThenTopk`]: `router_topk_w`, or `router_topk` without the switch).
 pub(super) fn router_spec(
     a: &Addrs,
     v: &Variant,
