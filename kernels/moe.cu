@@ -1,7 +1,7 @@
 // Mixture of experts, each op in two launches (the runtime launches both for one node), the router in one:
 // - router (logits of every row into scratch [rows, experts], warp per expert; with a second top-k launch,
-//   router_topk_w or router_topk, tiles of at most 4 rows over blockIdx.y); its last block to finish (integer count in the node's `done` counter) does the top-k of
-//   every row, warp per row (softmax, repeated argmax with the lowest index on ties, renormalised in rank order).
+//   router_topk_w or router_topk, tiles of at most 4 rows over blockIdx.y); its last block to finish (integer count
+//   in the node's `done` counter) does the top-k of every row, warp per row (softmax, repeated argmax with the lowest index on ties, renormalised in rank order).
 //   With done == 0 a second launch does the same: beyond 8 rows router_topk_w (the same warp per row, 8 rows a
 //   block), with FLASHPLAN_FUSE_SMALL=0 router_topk (block per row, radix select): the same values bit for bit;
 // - experts (warp per (two pairs of intermediate features, row, rank), feature-major: silu(gate x) * up x into
@@ -224,6 +224,14 @@ DEV void router_topk_block(const FpRouter& p, u32 r) {
 // write in the same thread. The lighter form would be cooperative groups' grid sync: a barrier, then thread 0 alone
 // fence.acq_rel, count, fence.acq_rel, then a barrier; not measured yet.) Integer count only; every logit is written by
 // one warp before its block's count, so the top-k reads each final value.
+// Row r's top-k by one warp (router_topk_warp at the lane layout that holds the experts).
+DEV void router_topk_row(const FpRouter& p, u32 r, u32 lane) {
+    if (p.experts <= 16 * 32)
+        router_topk_warp<16>(p, r, lane);
+    else
+        router_topk_warp<32>(p, r, lane);
+}
+
 template <bool BLK = false>
 DEV void router_last_block(const FpRouter& p, u32 R) {
     __shared__ u32 last;
@@ -244,18 +252,13 @@ DEV void router_last_block(const FpRouter& p, u32 R) {
         return;
     }
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    for (u32 r = warp; r < R; r += nw) {
-        if (!row_ok(p.c, r, false)) continue;
-        if (p.experts <= 16 * 32)
-            router_topk_warp<16>(p, r, lane);
-        else
-            router_topk_warp<32>(p, r, lane);
-    }
+    for (u32 r = warp; r < R; r += nw)
+        if (row_ok(p.c, r, false)) router_topk_row(p, r, lane);
 }
 
 // Entry points per row tile (router_t1 .. router_t8: up to 8 rows in one launch, beyond that router_t4 in tiles of
-// 4 rows over blockIdx.y with router_topk_w following, or router_topk with FLASHPLAN_FUSE_SMALL=0). A warp takes one expert, 8 experts a block
-// (runtime/src/cuda/launch/moe.rs `ROUTER_EXPERTS_PER_BLOCK`), and loads each batch's activation chunks with its
+// 4 rows over blockIdx.y with router_topk_w following, or router_topk with FLASHPLAN_FUSE_SMALL=0). A warp takes one
+// expert, 8 experts a block (runtime/src/cuda/launch/moe.rs `ROUTER_EXPERTS_PER_BLOCK`), and loads each batch's activation chunks with its
 // weights (`PRE`): router_t1 a lane's 10 chunks of the row (K = 2560 at the real width) at once, router_t2 4, router_t4
 // 2 and router_t8 1 chunk of every row (so the batch's activations stay in 128 registers a thread: two blocks an SM).
 // An expert's logit is the same warp_dots sum in every form. H200, 2026-12-01, the replay of lone-wR against the
@@ -278,11 +281,7 @@ extern "C" __global__ void router_t8(const FpRouter p) { pdl_start(); router_ent
 extern "C" __global__ void router_topk_w(const FpRouter p) {
     pdl_start();
     const u32 lane = threadIdx.x & 31, r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (r >= p.c.nstreams * p.c.window || !row_ok(p.c, r, false)) return;
-    if (p.experts <= 16 * 32)
-        router_topk_warp<16>(p, r, lane);
-    else
-        router_topk_warp<32>(p, r, lane);
+    if (r < p.c.nstreams * p.c.window && row_ok(p.c, r, false)) router_topk_row(p, r, lane);
 }
 
 // Block per row (ROUTER_TOPK_THREADS threads) over the logits in scratch, thread per expert: p = softmax (block max and block sum, fixed trees);

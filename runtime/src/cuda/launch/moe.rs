@@ -6,7 +6,7 @@ use super::*;
 
 /// The router's logits entry points per row tile (kernels/moe.cu): up to 8 rows in one launch with
 /// `FLASHPLAN_FUSE_SMALL`; beyond 8 rows, or without it, tiles of at most 4 rows followed by a top-k launch
-/// ([`ThenTopk`]).
+/// ([`topk_launch`]).
 const ROUTER: ByRows = &["router_t1", "router_t2", "router_t4", "router_t8"];
 
 /// The shared expert's gate/up entry points per row tile (kernels/moe.cu).
@@ -26,7 +26,7 @@ const ROUTER_TOPK_THREADS: u32 = 1024;
 /// Most rows for which the router runs as one launch (`FLASHPLAN_FUSE_SMALL`): its last block's 8 warps do the
 /// top-k of every row, one row per warp up to 8 rows. Measured on the H200: faster at one row (46 against 58 us
 /// for the replay's four routers), slower at 16 rows (238 against 218 us, against `router_topk`'s block per row),
-/// where a second top-k launch follows instead ([`ThenTopk`]).
+/// where a second top-k launch follows instead ([`topk_launch`]).
 const ROUTER_ONE_LAUNCH_ROWS: u32 = 8;
 
 /// Rows of `router_topk_w` per block of 256 threads (kernels/moe.cu: a warp per row).
@@ -37,16 +37,12 @@ const ROUTER_TOPK_W_ROWS: u32 = 8;
 /// [`ROUTER_TOPK_W_ROWS`] rows a block), else `router_topk`, a block of [`ROUTER_TOPK_THREADS`] per row; the same
 /// bits. H200 (twenty-third session), 16 rows: the router's node 19.4-19.6 -> 16.0-16.2 us, lone-w12 2005.5 /
 /// 2007.7 -> 1998.6 / 1996.4 us, verify-s16-w1 within the runs' spread (2446.0-2449.7 us both ways).
-trait ThenTopk {
-    fn then_topk(self, rows: u32, fuse_small: bool) -> LaunchSpec;
-}
-impl ThenTopk for LaunchSpec {
-    fn then_topk(self, rows: u32, fuse_small: bool) -> LaunchSpec {
-        if fuse_small {
-            self.then("router_topk_w", rows.div_ceil(ROUTER_TOPK_W_ROWS), 256)
-        } else {
-            self.then("router_topk", rows, ROUTER_TOPK_THREADS)
-        }
+/// Returns (entry point, grid, block).
+fn topk_launch(rows: u32, fuse_small: bool) -> (&'static str, u32, u32) {
+    if fuse_small {
+        ("router_topk_w", rows.div_ceil(ROUTER_TOPK_W_ROWS), 256)
+    } else {
+        ("router_topk", rows, ROUTER_TOPK_THREADS)
     }
 }
 
@@ -306,7 +302,7 @@ pub(super) fn branch_shared_experts(
 
 /// Parameters and launches of a `Router` node (`node`: its index, for its counter): its logits, and the top-k in the
 /// logits launch's last block up to [`ROUTER_ONE_LAUNCH_ROWS`] rows (`FLASHPLAN_FUSE_SMALL`), else in a second launch
-/// ([`ThenTopk`]: `router_topk_w`, or `router_topk` without the switch).
+/// ([`topk_launch`]: `router_topk_w`, or `router_topk` without the switch).
 pub(super) fn router_spec(
     a: &Addrs,
     v: &Variant,
@@ -335,7 +331,7 @@ pub(super) fn router_spec(
         )));
     }
     // One launch up to ROUTER_ONE_LAUNCH_ROWS rows (the last block's 8 warps do every row's top-k); beyond, a
-    // top-k launch (`then_topk`: the same bits).
+    // top-k launch (`topk_launch`: the same bits).
     let one_launch = a.fuse_small && rows <= ROUTER_ONE_LAUNCH_ROWS;
     let p = FpRouter {
         c: a.common,
@@ -353,24 +349,24 @@ pub(super) fn router_spec(
         dim: *dim,
         norm: *norm as u32,
     };
-    Ok(if one_launch {
+    if one_launch {
         // The logits launch's last block does the top-k (warp per row; at one row all its warps), counting in the
         // node's counter (one grid row: the count is over gridDim.x blocks).
         let logits = by_rows(ROUTER, rows);
-        one(
+        return Ok(one(
             logits,
             bytes(&p),
             experts.div_ceil(ROUTER_EXPERTS_PER_BLOCK),
             256,
-        )
-    } else {
-        let (logits, tiles) = by_row_tiles(ROUTER, rows);
-        LaunchSpec::new(
-            logits,
-            bytes(&p),
-            (experts.div_ceil(ROUTER_EXPERTS_PER_BLOCK), tiles, 1),
-            256,
-        )
-        .then_topk(rows, a.fuse_small)
-    })
+        ));
+    }
+    let (logits, tiles) = by_row_tiles(ROUTER, rows);
+    let (name, grid, block) = topk_launch(rows, a.fuse_small);
+    Ok(LaunchSpec::new(
+        logits,
+        bytes(&p),
+        (experts.div_ceil(ROUTER_EXPERTS_PER_BLOCK), tiles, 1),
+        256,
+    )
+    .then(name, grid, block))
 }
