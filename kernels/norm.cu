@@ -119,7 +119,8 @@ extern "C" __global__ void gated_norm(const FpGatedNorm p) {
 //   every row; lo into scratch [rows, rank] after Hn. NPW is 2 up to 4 rows (hc_read_t1, _t2, _t4) and 4 beyond
 //   (hc_read_t4_wide, tiles of 4 rows over blockIdx.y), where each block's re-read of its rows of Hn (40 KB per row
 //   at the real width) costs more than the blocks lost; an output's arithmetic does not depend on NPW;
-// - from two rows on, hc_mix_split: lo's rows into their BF16 terms (the linears' `linear_split_rows`);
+// - from two rows on, hc_mix_split: lo's rows into their BF16 terms (the linears' `linear_split_rows`); beyond 4
+//   rows with `FLASHPLAN_FUSE_SMALL` hc_read_t4_wide_split leaves them itself (`hc_store_lo_terms`, the same bits);
 // - hc_mix_tc: the gates W_up lo on tensor cores (`linear_tc_rows`, up tiled feature-major) and the mix over c in
 //   order as its epilogue (HcMixStore below).
 
@@ -276,7 +277,28 @@ extern "C" __global__ void hc_norm(const FpHcRead p) {
     }
 }
 
-template <int T, int NPW, int U, bool PRE = false>
+DEV uint4* hc_mix_xsplit(const FpHcRead& p, u32 nrows);
+
+// lo[r, q]'s three BF16 terms (`split3`: hi, mid, lo) where hc_mix_split leaves them (linear.cuh
+// `linear_split_rows`: uint4 ((r * steps + q / 32) * 4 + q % 32 / 8) * 3 + e holds term e of lo[r, 32 step + 8 (q % 32
+// / 8) .. + 7], value j in BF16 j), one 16-bit store each: the same bits as the split of the whole row. The thread of
+// the last output also zeroes the terms past rank up to a whole step, as the split does.
+DEV void hc_store_lo_terms(const FpHcRead& p, u32 nrows, u32 r, u32 q, float v) {
+    const u32 steps = (p.rank + 31) / 32;
+    bf16_t* row = (bf16_t*)(hc_mix_xsplit(p, nrows) + (u64)r * steps * 12);
+    const u32 last = q + 1 == p.rank ? steps * 32 : q + 1;
+    for (u32 k = q; k < last; k++) {
+        float t[3];
+        split3(k == q ? v : 0.0f, t[0], t[1], t[2]);
+        bf16_t* dst = row + ((k / 32) * 4 + (k % 32) / 8) * 24 + k % 8;
+#pragma unroll
+        for (int e = 0; e < 3; e++) dst[8 * e] = (bf16_t)(__float_as_uint(t[e]) >> 16);
+    }
+}
+
+// SPLIT: also leave lo's BF16 terms for hc_mix_tc (hc_store_lo_terms; zeros for a row that is not real, as
+// hc_mix_split writes), so hc_mix_split does not run.
+template <int T, int NPW, int U, bool PRE = false, bool SPLIT = false>
 DEV void hc_read_t(const FpHcRead& p, u32 nrows) {
     __shared__ float part[SPLIT_WARPS][NPW][T];
     const FpCommon& c = p.c;
@@ -303,12 +325,18 @@ DEV void hc_read_t(const FpHcRead& p, u32 nrows) {
             __syncthreads();
             for (u32 k = threadIdx.x; k < NPW * T; k += blockDim.x) {
                 const u32 m = k / T, t = k % T, q = q0 + m, r = i0 + t;
-                if (q >= nout || r >= nrows || !row_ok(c, r, p.gathered)) continue;
-                const float v = slice_sum<T, NPW>(part, 0, S, m, t);
-                if (q < p.rank)
-                    lo[(u64)r * p.rank + q] = siluf_(v / (float)p.hc);
-                else
+                if (q >= nout || r >= nrows) continue;
+                const bool real = row_ok(c, r, p.gathered);
+                // A row that is not real gets zero terms, as hc_mix_split gives it.
+                if (!real && !(SPLIT && q < p.rank)) continue;
+                const float v = real ? slice_sum<T, NPW>(part, 0, S, m, t) : 0.0f;
+                if (q < p.rank) {
+                    const float l = siluf_(v / (float)p.hc);
+                    if (real) lo[(u64)r * p.rank + q] = l;
+                    if (SPLIT) hc_store_lo_terms(p, nrows, r, q, real ? l : 0.0f);
+                } else {
                     fptr(p.inj)[(u64)r * p.hc + (q - p.rank)] = 2.0f * sigmoidf_(v / (float)p.hc);
+                }
             }
             __syncthreads();
         }
@@ -323,6 +351,10 @@ extern "C" __global__ void hc_read_t1(const FpHcRead p) { pdl_start(); hc_read_t
 extern "C" __global__ void hc_read_t2(const FpHcRead p) { pdl_start(); hc_read_t<2, 2, 8>(p, hc_rows(p)); }
 extern "C" __global__ void hc_read_t4(const FpHcRead p) { pdl_start(); hc_read_t<4, 2, 8>(p, hc_rows(p)); }
 extern "C" __global__ void hc_read_t4_wide(const FpHcRead p) { pdl_start(); hc_read_t<4, 4, 1, true>(p, hc_rows(p)); }
+extern "C" __global__ void hc_read_t4_wide_split(const FpHcRead p) {
+    pdl_start();
+    hc_read_t<4, 4, 1, true, true>(p, hc_rows(p));
+}
 
 // The mix on tensor cores: the gates G = lo up^T [rows, C*D] are a linear of K = rank (linear.cuh
 // `linear_tc_rows`) over `up` tiled feature-major (runtime/src/cuda/weights.rs `tile_hc_up`: gate row d*C + c), so

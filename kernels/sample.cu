@@ -11,7 +11,8 @@
 // The one difference from the host: z (the softmax denominator) is a block tree sum rather than a left-to-right
 // sum, and exp/log are CUDA's (within 1 ulp); a cut can only move when a cumulative mass lands within ~1e-15
 // (relative) of top_p or a probability within that of the min-p bar.
-// probs: the sampled token's probability at temperature 1.
+// probs: the sampled token's probability at temperature 1; none when p.probs is 0 (the plan's `Sample` has no
+// probabilities: the main model's rounds), and then neither phase takes the exp-sums that only they need.
 #include "common.cuh"
 
 #define SAMPLE_CHUNK 1024u
@@ -330,7 +331,8 @@ extern "C" __global__ void sample_part(const FpSample p) {
         block_argmax(best, bi, shv, shi);
         const double m = bi == 0xffffffffu ? -INFINITY : best;
         double zz = 0.0;
-        if (m > -INFINITY && m < INFINITY)
+        // The exp-sum only feeds the sampled token's probability: skipped when the launch writes none (p.probs 0).
+        if (p.probs != 0 && m > -INFINITY && m < INFINITY)
             for (u32 b = lo + threadIdx.x; b < hi; b += SAMPLE_HELD * blockDim.x) {
                 float v[SAMPLE_HELD];
                 load_strided(v, b, blockDim.x, hi, 0.0f, [&](u32 i) { return keyf(lg[i]); });
@@ -338,7 +340,7 @@ extern "C" __global__ void sample_part(const FpSample p) {
                 for (int j = 0; j < SAMPLE_HELD; j++)
                     if (b + j * blockDim.x < hi) zz += exp((double)v[j] - m);
             }
-        zz = block_sum_d(zz, shv);
+        if (p.probs != 0) zz = block_sum_d(zz, shv);
         double gb = -INFINITY;
         u32 gi = 0xffffffffu;
         if (plain_temperature(st)) {
@@ -386,7 +388,7 @@ extern "C" __global__ void sample(const FpSample p) {
         if (!sample_item(p, it, s, row, position)) {
             if (threadIdx.x == 0) {
                 uptr(p.tokens)[it] = 0xffffffffu;
-                fptr(p.probs)[it] = 0.0f;
+                if (p.probs != 0) fptr(p.probs)[it] = 0.0f;
             }
             continue;
         }
@@ -409,9 +411,9 @@ extern "C" __global__ void sample(const FpSample p) {
             if (maxl < INFINITY && maxl > -INFINITY)
                 tok = sample_filtered(lg, p.vocab, st, position, maxl, tok, sh, shv, shi);
             double z = 0.0;
-            if (maxl > -INFINITY && maxl < INFINITY)
+            if (p.probs != 0 && maxl > -INFINITY && maxl < INFINITY)
                 for (u32 i = threadIdx.x; i < p.vocab; i += blockDim.x) z += exp((double)keyf(lg[i]) - (double)maxl);
-            z = block_sum_d(z, shv);
+            if (p.probs != 0) z = block_sum_d(z, shv);
             if (threadIdx.x == 0) {
                 tok_sh = tok;
                 maxl_sh = maxl;
@@ -446,7 +448,7 @@ extern "C" __global__ void sample(const FpSample p) {
             __syncthreads();
             const double maxl = maxl_sh;
             const bool finite = maxl > -INFINITY && maxl < INFINITY;
-            if (finite && threadIdx.x < SAMPLE_PARTS) ez_sh[threadIdx.x] = exp(parts_sh[threadIdx.x].best - maxl);
+            if (p.probs != 0 && finite && threadIdx.x < SAMPLE_PARTS) ez_sh[threadIdx.x] = exp(parts_sh[threadIdx.x].best - maxl);
             __syncthreads();
             if (threadIdx.x == 0) {
                 double z = 0.0;
@@ -463,10 +465,12 @@ extern "C" __global__ void sample(const FpSample p) {
             const u32 tok = tok_sh;
             const double maxl = maxl_sh, z = z_sh;
             uptr(p.tokens)[it] = tok;
-            float pr = 0.0f;
-            if (maxl > -INFINITY && maxl < INFINITY && tok < p.vocab)
-                pr = (float)(exp((double)keyf(lg[tok]) - maxl) / z);
-            fptr(p.probs)[it] = pr;
+            if (p.probs != 0) {
+                float pr = 0.0f;
+                if (maxl > -INFINITY && maxl < INFINITY && tok < p.vocab)
+                    pr = (float)(exp((double)keyf(lg[tok]) - maxl) / z);
+                fptr(p.probs)[it] = pr;
+            }
         }
         __syncthreads();
     }

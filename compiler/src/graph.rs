@@ -732,7 +732,7 @@ impl<'a> Builder<'a> {
         self.push(Op::Sample {
             logits,
             tokens,
-            probs,
+            probs: Some(probs),
             rows: SampleRows::MtpGathered,
             vocab: cfg.vocab_size,
         });
@@ -754,11 +754,10 @@ impl<'a> Builder<'a> {
                 let (logits, commits) = self.main_forward(KeepSrc::Counted(keep_buf))?;
                 let rows = self.rows;
                 let sampled = self.io(IoBuf::Sampled, rows);
-                let probs = self.io(IoBuf::Probs, rows);
                 self.push(Op::Sample {
                     logits,
                     tokens: sampled,
-                    probs,
+                    probs: None,
                     rows: SampleRows::All,
                     vocab: cfg.vocab_size,
                 });
@@ -771,11 +770,10 @@ impl<'a> Builder<'a> {
             VariantKind::Prefill { .. } => {
                 let (logits, commits) = self.main_forward(KeepSrc::AllRows)?;
                 let sampled = self.io(IoBuf::Sampled, self.streams);
-                let probs = self.io(IoBuf::Probs, self.streams);
                 self.push(Op::Sample {
                     logits,
                     tokens: sampled,
-                    probs,
+                    probs: None,
                     rows: SampleRows::Last,
                     vocab: cfg.vocab_size,
                 });

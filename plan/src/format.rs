@@ -12,8 +12,9 @@ use crate::plan::{PlanBody, PlanHeader, PlanSet};
 use crate::validate::{validate_body, ValidationError};
 
 /// Version of the on-disk format; bumped on every incompatible change (2: state pieces start at multiples of 4
-/// elements, which the CUDA backend's float4 reads of the GDN state need).
-pub const FORMAT_VERSION: u32 = 2;
+/// elements, which the CUDA backend's float4 reads of the GDN state need; 3: `Op::Sample`'s probabilities are
+/// optional, and only the MTP step's sampling has them).
+pub const FORMAT_VERSION: u32 = 3;
 const MAGIC: &[u8; 8] = b"FLASHPLN";
 
 /// Errors reading, writing or matching a plan file.

@@ -365,11 +365,13 @@ pub enum Op {
     },
     /// Keyed sampling (`rounds.md` section 4) with the stream's sampling parameters from the descriptor.
     /// `logits`: `[rows, V]`; `tokens`: one u32 per sampled row; `probs`: the sampled token's probability under
-    /// softmax at temperature 1 (the MTP confidence).
+    /// softmax at temperature 1, one f32 per sampled row: the MTP confidence (`rounds.md` section 2), so only the
+    /// MTP step's sampling has one; `None` (the main model's rounds, whose probabilities nothing reads: logprobs are
+    /// not served) computes none.
     Sample {
         logits: BufId,
         tokens: BufId,
-        probs: BufId,
+        probs: Option<BufId>,
         rows: SampleRows,
         vocab: u32,
     },
@@ -492,7 +494,7 @@ impl Op {
             SparseAttn { out, .. } => vec![*out],
             Router { ids, weights, .. } => vec![*ids, *weights],
             Experts { out, .. } | SharedExpert { out, .. } => vec![*out],
-            Sample { tokens, probs, .. } => vec![*tokens, *probs],
+            Sample { tokens, probs, .. } => std::iter::once(*tokens).chain(*probs).collect(),
             KeepCount { keep, .. } => vec![*keep],
         }
     }

@@ -24,6 +24,8 @@ impl CpuBackend {
             } => {
                 let vocab = *vocab as usize;
                 let lg = self.read(v, *logits);
+                // The sampled token's probability only where the op has a buffer for it (the MTP step).
+                let prob = |row: &[f32], t: u32| probs.map_or(0.0, |_| sampler::token_prob(row, t));
                 let mut res: Vec<(usize, u32, f32)> = Vec::new();
                 match rows {
                     SampleRows::All => {
@@ -34,7 +36,7 @@ impl CpuBackend {
                             let row = &lg[r * vocab..(r + 1) * vocab];
                             let t =
                                 sampler::sample(row, &desc.streams[s].sampling, pos_of(s, j) + 1);
-                            res[r] = (r, t, sampler::token_prob(row, t));
+                            res[r] = (r, t, prob(row, t));
                         }
                     }
                     SampleRows::Last | SampleRows::MtpGathered => {
@@ -53,7 +55,7 @@ impl CpuBackend {
                             };
                             let row = &lg[r * vocab..(r + 1) * vocab];
                             let t = sampler::sample(row, &d.sampling, position);
-                            res.push((s, t, sampler::token_prob(row, t)));
+                            res.push((s, t, prob(row, t)));
                         }
                     }
                 }
@@ -61,9 +63,11 @@ impl CpuBackend {
                 for &(i, t, _) in &res {
                     o[i] = f32::from_bits(t);
                 }
-                let o = self.write(v, *probs);
-                for &(i, _, p) in &res {
-                    o[i] = p;
+                if let Some(probs) = probs {
+                    let o = self.write(v, *probs);
+                    for &(i, _, p) in &res {
+                        o[i] = p;
+                    }
                 }
             }
             Op::KeepCount { sampled, keep } => {

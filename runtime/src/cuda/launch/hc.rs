@@ -90,7 +90,10 @@ const HC_NORM_MOST_DIM: u32 = 16 * 256;
 /// then hc_read (down and inject dots, row tiles over `blockIdx.y` beyond 4 rows), then from two rows on
 /// hc_mix_split (lo's BF16 terms) and hc_mix_tc (the gates on tensor cores and the mix: kernels/norm.cu). With
 /// `FLASHPLAN_FUSE_SMALL`, up to 4 rows' hc_read, hc_mix_split and hc_mix_tc are one launch, `hc_read_one_t*`
-/// ([`hc_read_one_grid`]), whose grid barrier counts in node `node`'s counter: the same bits.
+/// ([`hc_read_one_grid`]), whose grid barrier counts in node `node`'s counter, and beyond 4 rows the down's launch
+/// (`hc_read_t4_wide_split`) leaves lo's BF16 terms in place of hc_mix_split: the same bits. H200 (2026-12-01, A/B
+/// in one call, two passes): verify-s16-w1 2440.1 / 2442.8 -> 2427.0 / 2426.7 us, lone-w16 2285.9 / 2286.8 ->
+/// 2267.8 / 2269.3 us.
 pub(super) fn hc_read_spec(
     a: &Addrs,
     v: &Variant,
@@ -171,8 +174,16 @@ pub(super) fn hc_read_spec(
         ));
     }
     let (read, npw, tiles) = hc_read_launch(nrows);
+    // Beyond 4 rows (`FLASHPLAN_FUSE_SMALL`) the down's launch leaves lo's BF16 terms itself where hc_mix_split
+    // would (kernels/norm.cu `hc_store_lo_terms`): one launch fewer.
+    let split_in_read = a.fuse_small && read == "hc_read_t4_wide";
+    let read = if split_in_read {
+        "hc_read_t4_wide_split"
+    } else {
+        read
+    };
     let spec = first(read, (outs.div_ceil(npw), tiles, 1), 256);
-    let spec = if nrows >= 2 {
+    let spec = if nrows >= 2 && !split_in_read {
         spec.then("hc_mix_split", split_grid(nrows, *rank), 256)
     } else {
         spec

@@ -30,7 +30,10 @@ pub(super) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
                 c,
                 logits: a.buf(v, *logits),
                 tokens: a.buf(v, *tokens),
-                probs: a.buf(v, *probs),
+                // 0: no probabilities (kernels/sample.cu skips their exp-sums). H200 (2026-12-01, A/B in one call,
+                // two passes): lone-w1 837.3 / 838.5 -> 831.1 / 831.1 us, verify-s16-w1 2440.1 / 2442.8 -> 2429.0
+                // / 2427.5 us.
+                probs: probs.map_or(0, |b| a.buf(v, b)),
                 mode,
                 vocab: *vocab,
             };

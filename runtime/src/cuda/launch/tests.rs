@@ -406,9 +406,30 @@ fn hc_norm_moves_into_the_write_before_a_read_of_the_same_h() {
                 } else {
                     streams * window
                 };
-                // With the switch, up to 4 rows: the read, the split and the mix are one launch, hc_read_one_t*.
+                // With the switch, up to 4 rows: the read, the split and the mix are one launch, hc_read_one_t*;
+                // beyond, the read's down (hc_read_t4_wide_split) leaves the split terms itself.
                 let one = fuse_small && nrows <= 4;
-                let split = usize::from(nrows >= 2 && !one);
+                let split_in_read = fuse_small && nrows > 4;
+                let split = usize::from(nrows >= 2 && !one && !split_in_read);
+                let down = if nrows > 4 {
+                    if split_in_read {
+                        "hc_read_t4_wide_split"
+                    } else {
+                        "hc_read_t4_wide"
+                    }
+                } else {
+                    "hc_read_t"
+                };
+                let down_launch = if read.kernel == "hc_norm" {
+                    read.then.first().map_or("", |t| t.0)
+                } else {
+                    read.kernel
+                };
+                assert!(
+                    one || down_launch == down || (nrows <= 4 && down_launch.starts_with(down)),
+                    "{}: {down_launch}",
+                    v.kind.name()
+                );
                 let last = read.then.last().map_or(read.kernel, |t| t.0);
                 if one {
                     let want = match nrows {
