@@ -120,7 +120,7 @@ extern "C" __global__ void gated_norm(const FpGatedNorm p) {
 //   (hc_read_t4_wide, tiles of 4 rows over blockIdx.y), where each block's re-read of its rows of Hn (40 KB per row
 //   at the real width) costs more than the blocks lost; an output's arithmetic does not depend on NPW;
 // - from two rows on, hc_mix_split: lo's rows into their BF16 terms (the linears' `linear_split_rows`); beyond 4
-//   rows with `FLASHPLAN_FUSE_SMALL` hc_read_t4_wide_split leaves them itself (`hc_store_lo_terms`, the same bits);
+//   rows with `FLASHPLAN_FUSE_SMALL` hc_read_t4_wide_terms leaves them itself (`hc_store_lo_terms`, the same bits);
 // - hc_mix_tc: the gates W_up lo on tensor cores (`linear_tc_rows`, up tiled feature-major) and the mix over c in
 //   order as its epilogue (HcMixStore below).
 
@@ -351,7 +351,7 @@ extern "C" __global__ void hc_read_t1(const FpHcRead p) { pdl_start(); hc_read_t
 extern "C" __global__ void hc_read_t2(const FpHcRead p) { pdl_start(); hc_read_t<2, 2, 8>(p, hc_rows(p)); }
 extern "C" __global__ void hc_read_t4(const FpHcRead p) { pdl_start(); hc_read_t<4, 2, 8>(p, hc_rows(p)); }
 extern "C" __global__ void hc_read_t4_wide(const FpHcRead p) { pdl_start(); hc_read_t<4, 4, 1, true>(p, hc_rows(p)); }
-extern "C" __global__ void hc_read_t4_wide_split(const FpHcRead p) {
+extern "C" __global__ void hc_read_t4_wide_terms(const FpHcRead p) {
     pdl_start();
     hc_read_t<4, 4, 1, true, true>(p, hc_rows(p));
 }

@@ -43,7 +43,7 @@ pub(super) fn fuse_linear_setting() -> Result<bool, BackendError> {
 /// `FLASHPLAN_FUSE_SMALL`: `1` (default) launches the router as one kernel up to 8 rows (the logits launch's last
 /// block does the top-k), a hyper-connection read's `hc_norm` inside the `hc_write` or `add_broadcast` before it
 /// (`launch::hc::fuse_hc_norm`), the rest of the read up to 4 rows as one grid-barrier kernel (`hc_read_one_t*`) and
-/// beyond 4 rows lo's BF16 terms inside the down's launch (`hc_read_t4_wide_split`, no `hc_mix_split`), one
+/// beyond 4 rows lo's BF16 terms inside the down's launch (`hc_read_t4_wide_terms`, no `hc_mix_split`), one
 /// row's routed experts as one kernel with a barrier per rank (`experts_one`, then `experts_combine`), and an `embed`
 /// or `gather_rows` inside the `rms_norm` after it (`launch::rows::fuse_row_norms`); `0` launches router_topk,
 /// hc_norm, hc_read, hc_mix_split, hc_mix_tc, experts, experts_down, embed, gather_rows and the plain hc_write,

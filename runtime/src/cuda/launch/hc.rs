@@ -91,7 +91,7 @@ const HC_NORM_MOST_DIM: u32 = 16 * 256;
 /// hc_mix_split (lo's BF16 terms) and hc_mix_tc (the gates on tensor cores and the mix: kernels/norm.cu). With
 /// `FLASHPLAN_FUSE_SMALL`, up to 4 rows' hc_read, hc_mix_split and hc_mix_tc are one launch, `hc_read_one_t*`
 /// ([`hc_read_one_grid`]), whose grid barrier counts in node `node`'s counter, and beyond 4 rows the down's launch
-/// (`hc_read_t4_wide_split`) leaves lo's BF16 terms in place of hc_mix_split: the same bits. H200 (2026-12-01, A/B
+/// (`hc_read_t4_wide_terms`) leaves lo's BF16 terms in place of hc_mix_split: the same bits. H200 (2026-12-01, A/B
 /// in one call, two passes): verify-s16-w1 2440.1 / 2442.8 -> 2427.0 / 2426.7 us, lone-w16 2285.9 / 2286.8 ->
 /// 2267.8 / 2269.3 us.
 pub(super) fn hc_read_spec(
@@ -178,7 +178,7 @@ pub(super) fn hc_read_spec(
     // would (kernels/norm.cu `hc_store_lo_terms`): one launch fewer.
     let split_in_read = a.fuse_small && read == "hc_read_t4_wide";
     let read = if split_in_read {
-        "hc_read_t4_wide_split"
+        "hc_read_t4_wide_terms"
     } else {
         read
     };

@@ -407,13 +407,13 @@ fn hc_norm_moves_into_the_write_before_a_read_of_the_same_h() {
                     streams * window
                 };
                 // With the switch, up to 4 rows: the read, the split and the mix are one launch, hc_read_one_t*;
-                // beyond, the read's down (hc_read_t4_wide_split) leaves the split terms itself.
+                // beyond, the read's down (hc_read_t4_wide_terms) leaves the split terms itself.
                 let one = fuse_small && nrows <= 4;
                 let split_in_read = fuse_small && nrows > 4;
                 let split = usize::from(nrows >= 2 && !one && !split_in_read);
                 let down = if nrows > 4 {
                     if split_in_read {
-                        "hc_read_t4_wide_split"
+                        "hc_read_t4_wide_terms"
                     } else {
                         "hc_read_t4_wide"
                     }
