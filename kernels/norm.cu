@@ -111,7 +111,8 @@ extern "C" __global__ void gated_norm(const FpGatedNorm p) {
 }
 
 // Hyper-connection read in three or four launches (one node), or with `FLASHPLAN_FUSE_SMALL` up to 4 rows in one or
-// two (hc_norm if no hc_write_norm came before, then hc_read_one_t*, at the end of this file).
+// two (hc_norm if no hc_write_norm came before, then hc_read_one_t*, at the end of this file) and beyond 4 rows in
+// two or three (hc_read_t4_wide_terms leaves the split's terms).
 // Hn = grouped RMSNorm(H, hc_norm) (groups of dim);
 // lo = silu(W_down Hn / C), inj[c] = 2 sigmoid(W_inj[c] . Hn / C), a[d] = mean_c sigmoid(W_up lo)[c*D+d] * Hn[c*D+d].
 // - hc_norm: block per (row, hyper-connection): Hn into scratch [rows, C*D];

@@ -414,7 +414,8 @@ typedef struct FpSharedExpert {
     u32 pad;
 } FpSharedExpert;
 
-/* mode: 0 every real row, 1 each stream's last real row, 2 gathered MTP rows (one per stream). */
+/* mode: 0 every real row, 1 each stream's last real row, 2 gathered MTP rows (one per stream). probs: 0 for none (the
+   main model's rounds: the plan's Sample has no probabilities buffer). */
 typedef struct FpSample {
     FpCommon c;
     u64 logits;

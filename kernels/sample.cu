@@ -452,7 +452,7 @@ extern "C" __global__ void sample(const FpSample p) {
             __syncthreads();
             if (threadIdx.x == 0) {
                 double z = 0.0;
-                if (finite)
+                if (p.probs != 0 && finite)
                     for (u32 zi = 0; zi < SAMPLE_PARTS; zi++) {
                         const SamplePart& q = parts_sh[zi];
                         if (q.bi != 0xffffffffu) z += q.z * ez_sh[zi];

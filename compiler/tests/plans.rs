@@ -526,3 +526,41 @@ fn mtp_steps_of_one_row_a_stream_read_the_mixer_from_the_streams() {
         "{narrow} narrow, {wide} wide MTP steps"
     );
 }
+
+#[test]
+fn validator_refuses_an_mtp_sample_without_probabilities() {
+    let set = build(&tiny(), 4096);
+    let mut body = set.body.clone();
+    let vi = body
+        .variants
+        .iter()
+        .position(|v| matches!(v.kind, VariantKind::MtpChain { .. }))
+        .expect("an MTP chain variant");
+    validate_variant(&body, &body.variants[vi]).unwrap();
+    let ni = body.variants[vi]
+        .nodes
+        .iter()
+        .position(|n| matches!(n.op, Op::Sample { .. }))
+        .expect("the step's sampling");
+    if let Op::Sample { probs, .. } = &mut body.variants[vi].nodes[ni].op {
+        assert!(probs.is_some(), "the MTP step samples with probabilities");
+        *probs = None;
+    }
+    match validate_variant(&body, &body.variants[vi]) {
+        Err(ValidationError::Reference { node, why, .. }) => {
+            assert_eq!(node, ni);
+            assert!(why.contains("probabilities"), "{why}");
+        }
+        other => panic!("expected a reference error, got {other:?}"),
+    }
+    // The main model's rounds sample without them.
+    let verify = body
+        .variants
+        .iter()
+        .find(|v| matches!(v.kind, VariantKind::Verify { .. }))
+        .expect("a verify variant");
+    assert!(verify
+        .nodes
+        .iter()
+        .any(|n| matches!(n.op, Op::Sample { probs: None, .. })));
+}

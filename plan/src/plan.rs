@@ -183,7 +183,8 @@ pub enum IoBuf {
     Logits,
     /// Sampled tokens, `[max_rows]` u32.
     Sampled,
-    /// Probability of each sampled token at temperature 1, `[max_rows]`.
+    /// Probability of each sampled token at temperature 1, `[max_rows]`: written by the MTP step's sampling only (the
+    /// drafts' confidence); the main model's rounds leave it as it was.
     Probs,
     /// Keep count per stream, `[max_streams]` u32.
     Keep,

@@ -1,8 +1,9 @@
 //! Structural rules every plan obeys, checked when written and when loaded (`architecture.md`, "Plans"): every
 //! buffer read was written earlier in the variant (or is an io input, a weight or state), no two simultaneously
-//! live arena buffers overlap, every offset is in bounds and aligned, every reference exists.
+//! live arena buffers overlap, every offset is in bounds and aligned, every reference exists, and the MTP step's
+//! sampling keeps its probabilities.
 
-use crate::ops::BufId;
+use crate::ops::{BufId, Op, SampleRows};
 use crate::plan::{IoBuf, PlanBody, Space, StateLayout, Variant, STATE_ALIGN};
 
 /// Arena offsets are multiples of this many 4-byte elements (256 bytes).
@@ -157,6 +158,18 @@ pub fn validate_variant(body: &PlanBody, v: &Variant) -> Result<(), ValidationEr
             if s.0 as usize >= body.state.pieces.len() {
                 return Err(reference(format!("state id {} out of range", s.0)));
             }
+        }
+        // The MTP step's sampled probabilities are its drafts' confidences (`rounds.md` section 2), which the engine
+        // reads after every chain step.
+        if let Op::Sample {
+            rows: SampleRows::MtpGathered,
+            probs: None,
+            ..
+        } = node.op
+        {
+            return Err(reference(
+                "the MTP step's sample has no probabilities buffer (the drafts' confidence)".into(),
+            ));
         }
         for d in &node.deps {
             if *d as usize >= i {

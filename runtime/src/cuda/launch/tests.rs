@@ -399,7 +399,7 @@ fn hc_norm_moves_into_the_write_before_a_read_of_the_same_h() {
             for (i, n) in v.nodes.iter().enumerate() {
                 let Op::HcRead { h, .. } = n.op else { continue };
                 let read = sp[i].as_ref().expect("hc_read launched");
-                // From two rows on, hc_mix_split comes before hc_mix_tc.
+                // From two rows on, hc_mix_split comes before hc_mix_tc, but for the fused forms below.
                 let (streams, window) = v.kind.shape();
                 let nrows = if hc_read_gathered(&v, &n.op) {
                     streams
