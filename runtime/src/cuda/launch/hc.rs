@@ -8,17 +8,24 @@ use super::*;
 /// `hc_read`'s down/inject entry points per row tile, up to 4 rows (kernels/norm.cu).
 const HC_READ: ByRows = &["hc_read_t1", "hc_read_t2", "hc_read_t4"];
 
-/// `hc_read`'s down/inject launch (kernels/norm.cu): its entry point, outputs per block and tiles of rows over
-/// `blockIdx.y`. Up to 4 rows 2 outputs per block ([`HC_READ`]); beyond, `hc_read_t4_wide` with 4 outputs per
-/// block in tiles of 4 rows, so each block reads its rows of Hn for twice the outputs (H200, lone-w8 1977 -> 1931 us,
-/// lone-w16 2933 -> 2899 us; at 4 rows, one tile, the halved grid was slower: 1496 -> 1507 us). An output's
-/// arithmetic is the same in every entry point (row invariance).
-fn hc_read_launch(nrows: u32) -> (&'static str, u32, u32) {
+/// `hc_read`'s down/inject launch (kernels/norm.cu): its entry point, outputs per block, tiles of rows over
+/// `blockIdx.y`, and whether it leaves lo's BF16 terms itself (then no `hc_mix_split` follows). Up to 4 rows 2 outputs
+/// per block ([`HC_READ`]); beyond, `hc_read_t4_wide` with 4 outputs per block in tiles of 4 rows, so each block reads
+/// its rows of Hn for twice the outputs (H200, lone-w8 1977 -> 1931 us, lone-w16 2933 -> 2899 us; at 4 rows, one tile,
+/// the halved grid was slower: 1496 -> 1507 us), or with `terms` (`FLASHPLAN_FUSE_SMALL`) `hc_read_t4_wide_terms`,
+/// which also writes lo's terms where hc_mix_split would (kernels/norm.cu `hc_store_lo_terms`): one launch fewer. An
+/// output's arithmetic is the same in every entry point (row invariance).
+fn hc_read_launch(nrows: u32, terms: bool) -> (&'static str, u32, u32, bool) {
     if nrows > 4 {
-        ("hc_read_t4_wide", 4, nrows.div_ceil(4))
+        let read = if terms {
+            "hc_read_t4_wide_terms"
+        } else {
+            "hc_read_t4_wide"
+        };
+        (read, 4, nrows.div_ceil(4), terms)
     } else {
         let (read, tiles) = by_row_tiles(HC_READ, nrows);
-        (read, 2, tiles)
+        (read, 2, tiles, false)
     }
 }
 
@@ -173,17 +180,9 @@ pub(super) fn hc_read_spec(
             BARRIER_BLOCK,
         ));
     }
-    let (read, npw, tiles) = hc_read_launch(nrows);
-    // Beyond 4 rows (`FLASHPLAN_FUSE_SMALL`) the down's launch leaves lo's BF16 terms itself where hc_mix_split
-    // would (kernels/norm.cu `hc_store_lo_terms`): one launch fewer.
-    let split_in_read = a.fuse_small && read == "hc_read_t4_wide";
-    let read = if split_in_read {
-        "hc_read_t4_wide_terms"
-    } else {
-        read
-    };
+    let (read, npw, tiles, terms) = hc_read_launch(nrows, a.fuse_small);
     let spec = first(read, (outs.div_ceil(npw), tiles, 1), 256);
-    let spec = if nrows >= 2 && !split_in_read {
+    let spec = if nrows >= 2 && !terms {
         spec.then("hc_mix_split", split_grid(nrows, *rank), 256)
     } else {
         spec
