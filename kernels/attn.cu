@@ -330,9 +330,17 @@ DEV void sa_dims(const float* row, u32 hd, u32 lane, bool vec, float (&x)[8]) {
 // The body, with GM >= G query heads per kv head as the bound of its head loops: heads past G are predicated off as
 // at any GM, so the arithmetic is the same for every GM; the smallest GM (4, 8, 12 or 16) saves the instructions of
 // the heads that are not there (the kernel is issue-bound: at one row a block per SM). Entry points below.
-template <int GM>
+// STAGE_V: on the fast path the chunk's values are copied into shared memory (`cp_async16`, no registers) while the
+// keys load, in vs after q's G * hd <= GM * 256 values, and P.V reads them there (the same values in the same order:
+// the same bits); the buffer holds q alone on the other paths. 44 KB of static shared memory at GM = 12 (GM = 16
+// would pass the 48 KB limit).
+template <int GM, bool STAGE_V>
 DEV void sparse_attn_g(const FpSparseAttn& p) {
-    __shared__ __align__(16) float qs[SA_MAX_Q];
+    constexpr u32 SMEM = STAGE_V ? GM * 256 + SA_CHUNK * 256 : SA_MAX_Q;
+    static_assert(!STAGE_V || GM <= 12, "q and the staged values within 48 KB of static shared memory");
+    __shared__ __align__(16) float sm[SMEM > SA_MAX_Q ? SMEM : SA_MAX_Q];
+    float* const qs = sm;
+    float* const vs = sm + GM * 256;
     __shared__ __align__(16) float ps[GM][SA_CHUNK];
     __shared__ u32 toks[SA_CHUNK];
     const FpCommon& c = p.c;
@@ -365,6 +373,8 @@ DEV void sparse_attn_g(const FpSparseAttn& p) {
         // The arithmetic depends on hd only; the alignment of the slot's cache picks vector or scalar loads of the
         // same 8 values.
         const bool aligned = ((((u64)kc) | (w * 4)) & 15) == 0;
+        const bool fast = (hd & 7) == 0 && hd <= 256 && nw == ATTN_WARPS;
+        const bool stage_v = STAGE_V && fast && ((((u64)vc) | (w * 4)) & 15) == 0;
         const float* q = fptr(p.q) + (u64)r * p.heads * hd + (u64)kv * G * hd;
         // Every thread's values of q loaded before any is stored (a load-then-store loop paid one latency a value),
         // and before the wait on the previous kernel (through L2, `ld_early_f32` in common.cuh, which gives the rule):
@@ -380,12 +390,21 @@ DEV void sparse_attn_g(const FpSparseAttn& p) {
         // Scores: warp per token. Fast path (hd <= 256, a multiple of 8): each warp loads all its tokens' keys first;
         // lane l holds dims 4 l .. 4 l + 3 and 128 + 4 l .. + 3 (`sa_dims`), so each 16-byte load of the warp, from
         // the cache or from the staged q, is 512 contiguous bytes (no excess sectors, no bank conflicts).
-        if ((hd & 7) == 0 && hd <= 256 && nw == ATTN_WARPS) {
+        if (fast) {
             float kreg[SA_CHUNK / ATTN_WARPS][8];
 #pragma unroll
             for (int u = 0; u < SA_CHUNK / ATTN_WARPS; u++) {
                 const u32 i = warp + nw * u;
                 sa_dims(kc + (u64)toks[i < cnt ? i : 0] * w + (u64)kv * hd, i < cnt ? hd : 0, lane, aligned, kreg[u]);
+            }
+            // The values' copies in flight with the keys' loads (waited for before P.V).
+            if (stage_v) {
+                const u32 q4 = hd / 4;
+                for (u32 e = threadIdx.x; e < cnt * q4; e += blockDim.x) {
+                    const u32 i = e / q4, c4 = e - i * q4;
+                    cp_async16(vs + i * hd + 4 * c4, vc + (u64)toks[i] * w + (u64)kv * hd + 4 * c4);
+                }
+                cp_async_commit();
             }
             // SA_QT tokens at a time: each head's q is read from shared memory once for them, where a token at a
             // time read it once a token (H200, lone-w16: 108.3-108.9 -> 94.3-94.6 us a replay; one row 19.2-19.4 ->
@@ -455,6 +474,7 @@ DEV void sparse_attn_g(const FpSparseAttn& p) {
                 part[1] = l;
             }
         }
+        if (stage_v) cp_async_wait_all();
         __syncthreads();
         // P.V: thread per value column, tokens in order; the chunk's values of the column all loaded first.
         for (u32 d = threadIdx.x; d < hd; d += blockDim.x) {
@@ -465,7 +485,8 @@ DEV void sparse_attn_g(const FpSparseAttn& p) {
                 float vv[SA_PV_U];
 #pragma unroll
                 for (int u = 0; u < SA_PV_U; u++)
-                    vv[u] = i0 + u < cnt ? vc[(u64)toks[i0 + u] * w + (u64)kv * hd + d] : 0.0f;
+                    vv[u] = i0 + u < cnt ? (stage_v ? vs[(i0 + u) * hd + d] : vc[(u64)toks[i0 + u] * w + (u64)kv * hd + d])
+                                         : 0.0f;
                 // A head's probabilities of 4 tokens in one 16-byte shared load; each o[g] still adds its tokens in
                 // ascending order.
 #pragma unroll
@@ -496,12 +517,25 @@ DEV void sparse_attn_g(const FpSparseAttn& p) {
 // Entry points by the bound of the head loops (runtime/src/cuda/launch/attn.rs: the smallest GM >= G), each
 // compiled on its own (one kernel holding all four took 150 registers), three blocks an SM: 80 registers, no
 // spills (H200, 16 rows: 124.6 -> 112.4 us a replay with the 16-byte P.V reads above, against two blocks an SM).
-extern "C" __global__ void __launch_bounds__(256, 3) sparse_attn_g4(const FpSparseAttn p) { sparse_attn_g<4>(p); }
-extern "C" __global__ void __launch_bounds__(256, 3) sparse_attn_g8(const FpSparseAttn p) { sparse_attn_g<8>(p); }
-extern "C" __global__ void __launch_bounds__(256, 3) sparse_attn_g12(const FpSparseAttn p) { sparse_attn_g<12>(p); }
-extern "C" __global__ void __launch_bounds__(256, 3) sparse_attn_g16(const FpSparseAttn p) { sparse_attn_g<16>(p); }
+// The `v` forms stage the values (STAGE_V), which the launch picks for rounds of several streams, whose rows select
+// different tokens (H200, 16 streams: the node 102.4 -> 96.9 us; one row 17.1 -> 17.7, a window of 16 rows of one
+// stream 94.5 -> 95.2, so not there).
+extern "C" __global__ void __launch_bounds__(256, 3) sparse_attn_g4(const FpSparseAttn p) { sparse_attn_g<4, false>(p); }
+extern "C" __global__ void __launch_bounds__(256, 3) sparse_attn_g8(const FpSparseAttn p) { sparse_attn_g<8, false>(p); }
+extern "C" __global__ void __launch_bounds__(256, 3) sparse_attn_g12(const FpSparseAttn p) { sparse_attn_g<12, false>(p); }
+extern "C" __global__ void __launch_bounds__(256, 3) sparse_attn_g16(const FpSparseAttn p) { sparse_attn_g<16, false>(p); }
+extern "C" __global__ void __launch_bounds__(256, 3) sparse_attn_g4v(const FpSparseAttn p) { sparse_attn_g<4, true>(p); }
+extern "C" __global__ void __launch_bounds__(256, 3) sparse_attn_g8v(const FpSparseAttn p) { sparse_attn_g<8, true>(p); }
+extern "C" __global__ void __launch_bounds__(256, 3) sparse_attn_g12v(const FpSparseAttn p) { sparse_attn_g<12, true>(p); }
 
-extern "C" __global__ void sparse_attn_combine(const FpSparseAttn p) {
+// sparse_attn_combine's body. With PRE every load is in flight at once, issued before the block's barrier: warp 0's
+// chunk maxima and sums (up to SA_MAX_SPLIT chunks, 8 a lane) and each thread's first SA_CB_PRE partial outputs of
+// its first column (255 registers: one block an SM); without it, 32 chunks' partials at a time after the barrier
+// (42 registers). The same maxima, exp terms, lane sums, warp tree and fmaf chain in chunk order either way: the
+// same bits.
+#define SA_CB_PRE 96
+template <bool PRE>
+DEV void sparse_attn_combine_t(const FpSparseAttn& p) {
     pdl_start();
     __shared__ float f[SA_MAX_SPLIT];
     __shared__ float lsum;
@@ -517,16 +551,44 @@ extern "C" __global__ void sparse_attn_combine(const FpSparseAttn p) {
         const u32 nt = sa_nt(p, st.pos + j, nsel, nb);
         const u32 nz = (nt + SA_CHUNK - 1) / SA_CHUNK;
         const float* part = fptr(c.scratch) + ((u64)r * p.heads + hh) * nsplit * (2 + hd);
+        const u32 d0 = threadIdx.x;
+        float pv[PRE ? SA_CB_PRE : 1];
+        if constexpr (PRE) {
+#pragma unroll
+            for (int u = 0; u < SA_CB_PRE; u++) pv[u] = d0 < hd && u < nz ? part[(u64)u * (2 + hd) + 2 + d0] : 0.0f;
+        }
         if (threadIdx.x < 32) {
             const u32 lane = threadIdx.x;
-            float M = -INFINITY;
-            for (u32 z = lane; z < nz; z += 32) M = fmaxf(M, part[(u64)z * (2 + hd)]);
-            M = warp_max(M);
-            float L = 0.0f;
-            for (u32 z = lane; z < nz; z += 32) {
-                const float e = expf(part[(u64)z * (2 + hd)] - M);
-                f[z] = e;
-                L += e * part[(u64)z * (2 + hd) + 1];
+            float M = -INFINITY, L = 0.0f;
+            if constexpr (PRE) {
+                float mz[SA_MAX_SPLIT / 32], lz[SA_MAX_SPLIT / 32];
+#pragma unroll
+                for (int k = 0; k < SA_MAX_SPLIT / 32; k++) {
+                    const u32 z = lane + 32 * k;
+                    mz[k] = z < nz ? part[(u64)z * (2 + hd)] : -INFINITY;
+                    lz[k] = z < nz ? part[(u64)z * (2 + hd) + 1] : 0.0f;
+                }
+#pragma unroll
+                for (int k = 0; k < SA_MAX_SPLIT / 32; k++)
+                    if (lane + 32 * k < nz) M = fmaxf(M, mz[k]);
+                M = warp_max(M);
+#pragma unroll
+                for (int k = 0; k < SA_MAX_SPLIT / 32; k++) {
+                    const u32 z = lane + 32 * k;
+                    if (z < nz) {
+                        const float e = expf(mz[k] - M);
+                        f[z] = e;
+                        L += e * lz[k];
+                    }
+                }
+            } else {
+                for (u32 z = lane; z < nz; z += 32) M = fmaxf(M, part[(u64)z * (2 + hd)]);
+                M = warp_max(M);
+                for (u32 z = lane; z < nz; z += 32) {
+                    const float e = expf(part[(u64)z * (2 + hd)] - M);
+                    f[z] = e;
+                    L += e * part[(u64)z * (2 + hd) + 1];
+                }
             }
             L = warp_sum(L);
             if (lane == 0) lsum = L;
@@ -534,14 +596,21 @@ extern "C" __global__ void sparse_attn_combine(const FpSparseAttn p) {
         __syncthreads();
         for (u32 d = threadIdx.x; d < hd; d += blockDim.x) {
             float o = 0.0f;
-            // Chunks in order, 32 partial outputs in flight at a time.
-            for (u32 z0 = 0; z0 < nz; z0 += 32) {
-                float pv[32];
+            u32 z0 = 0;
+            if (PRE && d == d0) {
 #pragma unroll
-                for (int u = 0; u < 32; u++) pv[u] = z0 + u < nz ? part[(u64)(z0 + u) * (2 + hd) + 2 + d] : 0.0f;
+                for (int u = 0; u < (PRE ? SA_CB_PRE : 1); u++)
+                    if ((u32)u < nz) o = fmaf(f[u], pv[u], o);
+                z0 = SA_CB_PRE;
+            }
+            // Chunks in order, 32 partial outputs in flight at a time.
+            for (; z0 < nz; z0 += 32) {
+                float pw[32];
+#pragma unroll
+                for (int u = 0; u < 32; u++) pw[u] = z0 + u < nz ? part[(u64)(z0 + u) * (2 + hd) + 2 + d] : 0.0f;
 #pragma unroll
                 for (int u = 0; u < 32; u++)
-                    if (z0 + u < nz) o = fmaf(f[z0 + u], pv[u], o);
+                    if (z0 + u < nz) o = fmaf(f[z0 + u], pw[u], o);
             }
             const u64 oi = (u64)r * p.heads * hd + hh * hd + d;
             fptr(p.out)[oi] = o / lsum * sigmoidf_(fptr(p.gate)[oi]);
@@ -549,6 +618,11 @@ extern "C" __global__ void sparse_attn_combine(const FpSparseAttn p) {
         __syncthreads();
     }
 }
+// Many rows take the light form (several blocks an SM); rows x heads within one wave of one block an SM take the
+// form with every load in flight (runtime/src/cuda/launch/attn.rs `sparse_attn_combine_entry`; H200, one row:
+// sparse attention's node 17.1 -> 15.5 us; 16 streams 102.4 -> 103.9 us with it, so not there).
+extern "C" __global__ void sparse_attn_combine(const FpSparseAttn p) { sparse_attn_combine_t<false>(p); }
+extern "C" __global__ void sparse_attn_combine_pre(const FpSparseAttn p) { sparse_attn_combine_t<true>(p); }
 
 // One block per stream: pools the blocks completed by the kept rows into the pooled cache (one warp per block).
 extern "C" __global__ void indexer_commit(const FpIndexerCommit p) {

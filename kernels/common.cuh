@@ -74,6 +74,16 @@ DEV float ld_early_f32(const float* p) { return ld_cg(p); }
 DEV u32 ld_early_u32(const u32* p) { return ld_cg_u32(p); }
 DEV float4 ld_early_f32x4(const float4* p) { return ld_cg_f32x4(p); }
 
+// 16 bytes from global to shared memory without a register (sm_80 cp.async, through L2 only: `.cg`); both addresses
+// 16-byte aligned. cp_async_commit closes the thread's group of copies; cp_async_wait_all waits for all of the
+// thread's copies (a barrier after it makes them visible to the block).
+DEV void cp_async16(float* smem, const float* g) {
+    const u32 s = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(g) : "memory");
+}
+DEV void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+DEV void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
 // Grid barrier of a launch whose blocks are all on the GPU at once (the launch checks that its grid fits; a block
 // waiting here for one that cannot start would wait forever), on a u32 counter in device memory: every block adds
 // 1 but block 0, which adds 2^31 - (blocks - 1), so the adds sum to 2^31 and bit 31 of the counter flips exactly when

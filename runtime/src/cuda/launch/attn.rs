@@ -6,15 +6,34 @@ use super::*;
 /// Tokens per chunk of `sparse_attn` (`SA_CHUNK` in `kernels/attn.cu`).
 pub(super) const SA_CHUNK: u32 = 32;
 
-/// The `sparse_attn` entry point for `g` query heads per kv head (1..=16): the one whose head loops run to the
-/// smallest bound of 4, 8, 12 or 16 that holds them (kernels/attn.cu `sparse_attn_g`; the same arithmetic at any
-/// bound, fewer instructions at the tightest).
-pub(super) fn sparse_attn_entry(g: u32) -> &'static str {
+/// The `sparse_attn` entry point for `g` query heads per kv head (1..=16) in a round of `streams` streams: the one
+/// whose head loops run to the smallest bound of 4, 8, 12 or 16 that holds them (kernels/attn.cu `sparse_attn_g`;
+/// the same arithmetic at any bound, fewer instructions at the tightest), and for several streams up to 12 heads
+/// the form that stages the chunk's values in shared memory (`sparse_attn_g4v` .. `_g12v`: the same bits). H200,
+/// sparse attention's node: 16 streams 102.4 -> 96.9 us staged; one row 17.1 -> 17.7 us and a window of 16 rows of
+/// one stream 94.5 -> 95.2 us, so a lone stream keeps the unstaged form.
+pub(super) fn sparse_attn_entry(g: u32, streams: u32) -> &'static str {
+    let staged = streams > 1;
     match g {
+        0..=4 if staged => "sparse_attn_g4v",
         0..=4 => "sparse_attn_g4",
+        5..=8 if staged => "sparse_attn_g8v",
         5..=8 => "sparse_attn_g8",
+        9..=12 if staged => "sparse_attn_g12v",
         9..=12 => "sparse_attn_g12",
         _ => "sparse_attn_g16",
+    }
+}
+
+/// The `sparse_attn_combine` entry point for `blocks` blocks (rows x heads) on `sms` SMs (0: unknown):
+/// `sparse_attn_combine_pre`, which keeps every load in flight at once at one block an SM (255 registers), when the
+/// blocks fit one wave of it, else `sparse_attn_combine` (42 registers, many blocks an SM). The same bits either way.
+/// H200, sparse attention's node: one row 17.1 -> 15.5 us with `_pre`; 16 streams 102.4 -> 103.9 us.
+pub(super) fn sparse_attn_combine_entry(blocks: u32, sms: u32) -> &'static str {
+    if blocks <= sms {
+        "sparse_attn_combine_pre"
+    } else {
+        "sparse_attn_combine"
     }
 }
 
@@ -184,12 +203,16 @@ pub(super) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
                 )));
             }
             LaunchSpec::new(
-                sparse_attn_entry(g),
+                sparse_attn_entry(g, streams),
                 bytes(&p),
                 (rows, *kv_heads, nsplit),
                 256,
             )
-            .then("sparse_attn_combine", rows * heads, 256)
+            .then(
+                sparse_attn_combine_entry(rows * heads, a.sms),
+                rows * heads,
+                256,
+            )
         }
         Op::IndexerCommit {
             raw_keys,

@@ -1535,19 +1535,63 @@ fn sparse_attn_takes_the_tightest_head_bound_that_holds_its_heads() {
     let src = include_str!("../../../../kernels/attn.cu");
     assert_eq!(kernel_define(src, "SA_CHUNK"), attn::SA_CHUNK);
     for g in 1..=16u32 {
-        let name = attn::sparse_attn_entry(g);
-        let bound: u32 = name["sparse_attn_g".len()..].parse().expect("a bound");
-        assert!(bound >= g && bound - g < 4, "{g} heads -> {name}");
-        let entry = format!(" {name}(const FpSparseAttn p)");
+        for streams in [1, 2, 16] {
+            let name = attn::sparse_attn_entry(g, streams);
+            let staged = name.ends_with('v');
+            let bound: u32 = name["sparse_attn_g".len()..]
+                .trim_end_matches('v')
+                .parse()
+                .expect("a bound");
+            assert!(bound >= g && bound - g < 4, "{g} heads -> {name}");
+            // Several streams stage the values wherever the kernel can (up to 12 heads); a lone stream never does.
+            assert_eq!(
+                staged,
+                streams > 1 && bound <= 12,
+                "{g} heads, {streams} streams -> {name}"
+            );
+            let entry = format!(" {name}(const FpSparseAttn p)");
+            assert!(
+                src.lines()
+                    .any(|l| l.starts_with("extern \"C\" __global__ void ")
+                        && l.contains(&entry)
+                        && l.contains(&format!("sparse_attn_g<{bound}, {staged}>(p)"))),
+                "{name} is an entry point of kernels/attn.cu running sparse_attn_g<{bound}, {staged}>"
+            );
+        }
+    }
+    assert_eq!(kernel_define(src, "SA_MAX_G"), 16);
+}
+
+#[test]
+fn sparse_attn_combine_keeps_every_load_in_flight_only_within_one_wave() {
+    // kernels/attn.cu: sparse_attn_combine_pre runs at one block an SM (its registers), so it pays only while the
+    // launch's blocks (rows x heads) fit one wave; both forms are the same sums.
+    let src = include_str!("../../../../kernels/attn.cu");
+    for (blocks, sms, want) in [
+        (24, 132, "sparse_attn_combine_pre"),
+        (132, 132, "sparse_attn_combine_pre"),
+        (133, 132, "sparse_attn_combine"),
+        (384, 132, "sparse_attn_combine"),
+        (24, 0, "sparse_attn_combine"),
+    ] {
+        assert_eq!(
+            attn::sparse_attn_combine_entry(blocks, sms),
+            want,
+            "{blocks} blocks on {sms} SMs"
+        );
+    }
+    for (name, pre) in [
+        ("sparse_attn_combine", false),
+        ("sparse_attn_combine_pre", true),
+    ] {
         assert!(
             src.lines()
                 .any(|l| l.starts_with("extern \"C\" __global__ void ")
-                    && l.contains(&entry)
-                    && l.contains(&format!("sparse_attn_g<{bound}>(p)"))),
-            "{name} is an entry point of kernels/attn.cu running sparse_attn_g<{bound}>"
+                    && l.contains(&format!(" {name}(const FpSparseAttn p)"))
+                    && l.contains(&format!("sparse_attn_combine_t<{pre}>(p)"))),
+            "{name} is an entry point of kernels/attn.cu running sparse_attn_combine_t<{pre}>"
         );
     }
-    assert_eq!(kernel_define(src, "SA_MAX_G"), 16);
 }
 
 /// The launches of a variant in graph order, each with the ops it covers: its own node and the nodes after it that
