@@ -38,8 +38,23 @@ enum Cmd {
     Demo(demo::DemoArgs),
 }
 
-fn main() -> anyhow::Result<()> {
+/// Runs the command; an error prints as one line, its causes after colons (`{:#}`), with no backtrace even where
+/// `RUST_BACKTRACE` is set: the errors here are about the user's input and say what was expected.
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("Error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    if !matches!(cli.cmd, Cmd::Serve(_)) {
+        quiet_on_closed_pipe();
+    }
     // Refuse unknown values of FLASHPLAN_* variables before anything slow happens.
     model::warn_unknown_vars();
     model::check_folders()?;
@@ -56,5 +71,16 @@ fn main() -> anyhow::Result<()> {
         Cmd::Serve(a) => serve::serve(a),
         Cmd::Bench(a) => bench::bench(a),
         Cmd::Demo(a) => demo::demo(a),
+    }
+}
+
+/// The commands that print to standard output end quietly when its reader goes away (`flashplan demo | head`), as
+/// other command-line tools do, instead of panicking in `println!`: SIGPIPE back to its default action (the Rust
+/// runtime ignores it). Not for `serve`, whose writes to closed sockets must stay errors of one request.
+fn quiet_on_closed_pipe() {
+    #[cfg(unix)]
+    // SAFETY: setting a signal's disposition to its default; no handler runs in this process.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
 }

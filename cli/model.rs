@@ -11,7 +11,7 @@ use flashplan_runtime::backend::Backend;
 use flashplan_runtime::checkpoint::{load_checkpoint, LoadOptions};
 use flashplan_runtime::cpu::CpuBackend;
 use flashplan_runtime::cuda::{probe_gpu, CudaBackend};
-use flashplan_runtime::engine::{Engine, EngineOptions};
+use flashplan_runtime::engine::{Engine, EngineOptions, EnvError};
 use flashplan_runtime::tokenizer::Tokenizer;
 use sha2::{Digest, Sha256};
 
@@ -91,8 +91,18 @@ pub fn backend_choice() -> anyhow::Result<BackendChoice> {
         Err(std::env::VarError::NotPresent) | Ok("auto") => Ok(BackendChoice::Auto),
         Ok("cpu") => Ok(BackendChoice::Cpu),
         Ok("cuda") => Ok(BackendChoice::Cuda),
-        Ok(other) => anyhow::bail!("FLASHPLAN_BACKEND={other:?}: expected auto, cpu or cuda"),
-        Err(e) => anyhow::bail!("FLASHPLAN_BACKEND: {e}: expected auto, cpu or cuda"),
+        Ok(other) => Err(EnvError {
+            name: "FLASHPLAN_BACKEND",
+            value: other.to_string(),
+            expected: "auto, cpu, cuda",
+        }
+        .into()),
+        Err(e) => Err(EnvError {
+            name: "FLASHPLAN_BACKEND",
+            value: e.to_string(),
+            expected: "auto, cpu, cuda",
+        }
+        .into()),
     }
 }
 
@@ -283,33 +293,41 @@ pub fn check_env() -> anyhow::Result<()> {
     engine_options(1, 1).map(|_| ())
 }
 
-/// Every `FLASHPLAN_*` variable something in this repository reads: the product's, the tests' and the scripts'.
-const KNOWN_VARS: &[&str] = &[
-    "FLASHPLAN_AB",
+/// The product's `FLASHPLAN_*` variables (README.md, "Settings").
+const PRODUCT_VARS: &[&str] = &[
     "FLASHPLAN_BACKEND",
     "FLASHPLAN_CACHE",
     "FLASHPLAN_COPY_DRAFTS",
-    "FLASHPLAN_CUDA_INCLUDE",
     "FLASHPLAN_FUSE_LINEAR",
     "FLASHPLAN_FUSE_SMALL",
     "FLASHPLAN_GPU",
-    "FLASHPLAN_GPU_ROUNDS_DRY",
     "FLASHPLAN_KERNEL_CACHE",
     "FLASHPLAN_MTP_WEIGHTS",
     "FLASHPLAN_PDL",
+];
+
+/// The other `FLASHPLAN_*` variables something in this repository reads: the build's, the tests' and the scripts'
+/// (`FLASHPLAN_AB`: the temporary A/B switch of scripts/gpu_ab.sh, read only while a change is measured).
+const DEV_VARS: &[&str] = &[
+    "FLASHPLAN_AB",
+    "FLASHPLAN_CUDA_INCLUDE",
+    "FLASHPLAN_GPU_ROUNDS_DRY",
     "FLASHPLAN_REQUIRE_NVRTC",
     "FLASHPLAN_TRANSFORMERS",
 ];
 
 /// Warns about a `FLASHPLAN_*` variable nothing reads (a misspelt `FLASHPLAN_BACKNED=cpu` would otherwise be ignored
-/// without a word). A warning, not a refusal: an unknown name changes nothing.
+/// without a word), listing the product's variables. A warning, not a refusal: an unknown name changes nothing.
 pub fn warn_unknown_vars() {
     for (k, _) in std::env::vars_os() {
         let k = k.to_string_lossy();
-        if k.starts_with("FLASHPLAN_") && !KNOWN_VARS.contains(&k.as_ref()) {
+        if k.starts_with("FLASHPLAN_")
+            && !PRODUCT_VARS.contains(&k.as_ref())
+            && !DEV_VARS.contains(&k.as_ref())
+        {
             eprintln!(
                 "warning: {k} is not a flashplan variable; it is ignored (the variables: {})",
-                KNOWN_VARS.join(", ")
+                PRODUCT_VARS.join(", ")
             );
         }
     }

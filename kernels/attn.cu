@@ -332,13 +332,15 @@ DEV void sa_dims(const float* row, u32 hd, u32 lane, bool vec, float (&x)[8]) {
 // the heads that are not there (the kernel is issue-bound: at one row a block per SM). Entry points below.
 // STAGE_V: on the fast path the chunk's values are copied into shared memory (`cp_async16`, no registers) while the
 // keys load, in vs after q's G * hd <= GM * 256 values, and P.V reads them there (the same values in the same order:
-// the same bits); the buffer holds q alone on the other paths. 44 KB of static shared memory at GM = 12 (GM = 16
-// would pass the 48 KB limit).
+// the same bits); the buffer holds q alone on the other paths. 45.6 KB of static shared memory in all at GM = 12
+// (the buffer 44 KB, the probabilities and token ids 1.6 KB); GM = 16 would pass the 48 KB limit.
 template <int GM, bool STAGE_V>
 DEV void sparse_attn_g(const FpSparseAttn& p) {
     constexpr u32 SMEM = STAGE_V ? GM * 256 + SA_CHUNK * 256 : SA_MAX_Q;
-    static_assert(!STAGE_V || GM <= 12, "q and the staged values within 48 KB of static shared memory");
-    __shared__ __align__(16) float sm[SMEM > SA_MAX_Q ? SMEM : SA_MAX_Q];
+    constexpr u32 SM_FLOATS = SMEM > SA_MAX_Q ? SMEM : SA_MAX_Q;
+    static_assert(4 * (SM_FLOATS + GM * SA_CHUNK + SA_CHUNK) <= 48 * 1024,
+                  "q, the staged values, the probabilities and the token ids within 48 KB of static shared memory");
+    __shared__ __align__(16) float sm[SM_FLOATS];
     float* const qs = sm;
     float* const vs = sm + GM * 256;
     __shared__ __align__(16) float ps[GM][SA_CHUNK];

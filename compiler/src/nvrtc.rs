@@ -408,6 +408,8 @@ mod tests {
             "sparse_attn_g8",
             "sparse_attn_g12",
             "sparse_attn_g16",
+            "sparse_attn_g4v",
+            "sparse_attn_g8v",
             "sparse_attn_g12v",
             "sparse_attn_combine",
             "sparse_attn_combine_pre",

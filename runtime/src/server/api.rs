@@ -178,6 +178,15 @@ fn neutral(k: &str, v: &Value) -> Option<bool> {
     })
 }
 
+/// Names as a message lists them: `a`, `b`, `c`.
+fn quoted(names: &[&str]) -> String {
+    names
+        .iter()
+        .map(|n| format!("`{n}`"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// Refuses a field this server does not know (a misspelt `max_tokens` would otherwise mean "the rest of the
 /// context"), or an unimplemented one at a value that would change the reply.
 fn check_fields(m: &Map<String, Value>, chat: bool) -> Result<(), ApiError> {
@@ -203,13 +212,15 @@ fn check_fields(m: &Map<String, Value>, chat: bool) -> Result<(), ApiError> {
                 return Err(ApiError::invalid(
                     Some(k),
                     format!(
-                        "unrecognized request argument `{k}` (a {} request takes `{prompt}`, {})",
+                        "unrecognized request argument `{k}` (a {} request takes `{prompt}`, {}; it accepts and \
+                         ignores {})",
                         if chat {
                             "chat completion"
                         } else {
                             "completion"
                         },
-                        FIELDS.join(", ")
+                        quoted(FIELDS),
+                        quoted(IGNORED)
                     ),
                 )
                 .code("unrecognized_argument"))

@@ -30,7 +30,7 @@ pub(super) fn sparse_attn_entry(g: u32, streams: u32) -> &'static str {
 /// blocks fit one wave of it, else `sparse_attn_combine` (42 registers, many blocks an SM). The same bits either way.
 /// H200, sparse attention's node: one row 17.1 -> 15.5 us with `_pre`; 16 streams 102.4 -> 103.9 us.
 pub(super) fn sparse_attn_combine_entry(blocks: u32, sms: u32) -> &'static str {
-    if blocks <= sms {
+    if sms > 0 && blocks <= sms {
         "sparse_attn_combine_pre"
     } else {
         "sparse_attn_combine"

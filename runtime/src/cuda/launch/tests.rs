@@ -1573,6 +1573,7 @@ fn sparse_attn_combine_keeps_every_load_in_flight_only_within_one_wave() {
         (133, 132, "sparse_attn_combine"),
         (384, 132, "sparse_attn_combine"),
         (24, 0, "sparse_attn_combine"),
+        (0, 0, "sparse_attn_combine"),
     ] {
         assert_eq!(
             attn::sparse_attn_combine_entry(blocks, sms),
@@ -1592,6 +1593,55 @@ fn sparse_attn_combine_keeps_every_load_in_flight_only_within_one_wave() {
             "{name} is an entry point of kernels/attn.cu running sparse_attn_combine_t<{pre}>"
         );
     }
+}
+
+#[test]
+fn sparse_attention_nodes_pass_their_streams_and_rows_times_heads_to_the_entry_choices() {
+    // The real attention shape (24 query heads over 2 kv heads of 256: 12 a group) in plans for 1 and 16 streams:
+    // every sparse-attention launch stages its values exactly when its variant has several streams, and its combine
+    // keeps every load in flight exactly when rows x 24 heads fit the 132 SMs (16 streams of one row: 384 blocks, the
+    // looping combine; one stream of 3 rows: 72, the one-wave one).
+    let body = crate::cuda::fuse::tests::tiny_plan_for(vec![1, 16], |j| {
+        j["num_attention_heads"] = 24.into();
+        j["num_key_value_heads"] = 2.into();
+        j["head_dim"] = 256.into();
+        j["indexer_head_dim"] = 128.into();
+    });
+    let mut seen = [0u32; 4];
+    for (v, sp) in specs_with(&body, true, SIDE_SCRATCH, 132, true, false) {
+        let (streams, window) = v.kind.shape();
+        let rows = streams * window;
+        for (n, s) in v.nodes.iter().zip(&sp) {
+            let (Op::SparseAttn { heads, .. }, Some(s)) = (&n.op, s) else {
+                continue;
+            };
+            assert_eq!(*heads, 24);
+            let staged = streams > 1;
+            let pre = rows * 24 <= 132;
+            let what = v.kind.name();
+            assert_eq!(
+                s.kernel,
+                if staged {
+                    "sparse_attn_g12v"
+                } else {
+                    "sparse_attn_g12"
+                },
+                "{what}"
+            );
+            assert_eq!(
+                s.then.first().map(|t| t.0),
+                Some(if pre {
+                    "sparse_attn_combine_pre"
+                } else {
+                    "sparse_attn_combine"
+                }),
+                "{what}"
+            );
+            seen[2 * staged as usize + pre as usize] += 1;
+        }
+    }
+    // Lone streams with the one-wave combine, and 16 streams with the looping one, were both planned.
+    assert!(seen[1] > 0 && seen[2] > 0, "{seen:?}");
 }
 
 /// The launches of a variant in graph order, each with the ops it covers: its own node and the nodes after it that
