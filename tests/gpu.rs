@@ -17,6 +17,7 @@ use std::sync::Arc;
 use common::*;
 use flashplan_plan::{
     CompileOptions, DrafterForm, IoBuf, ModelConfig, PlanBody, RoundDesc, StreamDesc, VariantKind,
+    WeightGroup,
 };
 use flashplan_runtime::backend::{Backend, BackendError};
 use flashplan_runtime::checkpoint::{load_checkpoint, LoadOptions};
@@ -639,6 +640,233 @@ fn gpu_matches_cpu_on_the_fixtures() {
         &root().join("models/flashnext-tiny"),
         &root().join("fixtures/flashnext-tiny-expected.safetensors"),
         &mut rep,
+    );
+    let failed: Vec<_> = rep.rows.iter().filter(|r| !r.2).collect();
+    assert!(
+        failed.is_empty(),
+        "{} GPU checks failed: {failed:?}",
+        failed.len()
+    );
+}
+
+/// The tiny-text fixture's config with the real model's attention shape (24 query heads over 2 kv heads of 256: 12
+/// a group, as `flash-next.json`) and indexer (budget 2048 at ratio 4: 513 pooled blocks, 2052 tokens, 65 chunks of
+/// 32), for a context of `context` tokens.
+fn real_attention_config(context: u64) -> ModelConfig {
+    let text =
+        std::fs::read_to_string(fixture("tiny-text").join("config.json")).expect("config.json");
+    let mut j: serde_json::Value = serde_json::from_str(&text).expect("json");
+    j["num_attention_heads"] = 24.into();
+    j["num_key_value_heads"] = 2.into();
+    j["head_dim"] = 256.into();
+    j["indexer_head_dim"] = 128.into();
+    j["indexer_budget"] = 2048.into();
+    j["indexer_compress_ratio"] = 4.into();
+    j["max_position_embeddings"] = context.into();
+    // The rotary dims (256 x 0.25 = 64) in the real config's sections.
+    j["rope_parameters"]["mrope_section"] = serde_json::json!([11, 11, 10]);
+    ModelConfig::from_json_str(&j.to_string()).expect("config parses")
+}
+
+/// Seeded weights for every main and drafter entry of `body`, BF16-exact: norms' weights 1 + 0.1 u, the rest 0.05 u,
+/// u uniform in [-1, 1) (splitmix64), so that every tensor is nonzero and no code path is dead.
+fn seeded_weights(body: &PlanBody, seed: u64) -> Vec<Option<Vec<f32>>> {
+    let mut state = seed;
+    let mut next = move || {
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    };
+    body.weights
+        .iter()
+        .map(|e| {
+            if !matches!(e.group, WeightGroup::Main | WeightGroup::Mtp) || e.source.is_some() {
+                return None;
+            }
+            let n: u64 = e.shape.iter().product();
+            let norm = e.name.contains("norm");
+            Some(
+                (0..n)
+                    .map(|_| {
+                        let u = next();
+                        let v = if norm { 1.0 + 0.1 * u } else { 0.05 * u };
+                        half::bf16::from_f32(v).to_f32()
+                    })
+                    .collect(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn gpu_sparse_attention_at_the_real_shape() {
+    // The fixtures' 4 heads and 20 selected tokens run only sparse_attn_g4v of the staged kernels and a one-chunk
+    // combine. Here 12 query heads a kv head of 256 over 2052 selected tokens (65 chunks): sparse_attn_g12 (one
+    // stream) and sparse_attn_g12v (several), sparse_attn_combine_pre (rows x 24 heads <= the SMs) and
+    // sparse_attn_combine (more), against the CPU backend and against each other, bit for bit across stream counts
+    // and windows.
+    let Some(name) = gpu_ready() else { return };
+    const CONTEXT: u64 = 2304;
+    const PROMPT: usize = 2112;
+    println!("GPU: {name}; real attention shape (24 heads over 2 kv heads of 256, 65 chunks of 32 selected tokens)");
+    println!("| fixture | check | result | detail |\n|---|---|---|---|");
+    let fx = "real-attention";
+    let cfg = real_attention_config(CONTEXT);
+    let mut opts = CompileOptions {
+        arch: "sm_90a".into(),
+        max_depth: 15,
+        streams: vec![1, 2, 4, 16],
+        context: CONTEXT,
+        prefill_chunk: CHUNK,
+    };
+    let gpu_body = flashplan_compiler::compile(&cfg, &opts, &Default::default(), "test", |_, _| {})
+        .unwrap_or_else(|e| panic!("compiling GPU plans: {e}"))
+        .body;
+    opts.arch = "cpu".into();
+    let cpu_body = flashplan_compiler::compile(&cfg, &opts, &Default::default(), "test", |_, _| {})
+        .expect("cpu plans")
+        .body;
+    let vocab = cpu_body.config.vocab_size as usize;
+    let w = seeded_weights(&cpu_body, 2026);
+    let cpu_body = Arc::new(cpu_body);
+    let mut cpu = CpuBackend::new(Arc::clone(&cpu_body), Arc::new(w.clone()));
+    let mut gpu = CudaBackend::new(Arc::new(gpu_body), &w).expect("CUDA backend");
+    let mut rep = Report { rows: Vec::new() };
+
+    // A seeded prompt past the indexer's budget, prefilled in chunks on both backends.
+    let mut x = 7u64;
+    let prompt: Vec<u32> = (0..PROMPT)
+        .map(|_| {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((x >> 33) % vocab as u64) as u32
+        })
+        .collect();
+    let mut pos = 0;
+    let mut worst = 0f32;
+    while pos < PROMPT {
+        let rows = (PROMPT - pos).min(CHUNK as usize);
+        let d = desc(
+            &[(0, pos as u32, rows as u32, &prompt[pos..pos + rows])],
+            CHUNK,
+        );
+        run_both(
+            &mut cpu,
+            &mut gpu,
+            VariantKind::Prefill { chunk: CHUNK },
+            &d,
+        )
+        .expect("prefill");
+        if pos + rows + 4 * CHUNK as usize > PROMPT {
+            worst = worst.max(rel(
+                &gpu.io(IoBuf::Logits)[..rows * vocab],
+                &cpu.io(IoBuf::Logits)[..rows * vocab],
+                vocab,
+            ));
+        }
+        pos += rows;
+    }
+    rep.add(
+        fx,
+        "prefill-c16 logits vs CPU, the last 4 chunks",
+        worst <= TOL,
+        format!("{PROMPT} tokens, max rel diff {worst:.2e}"),
+    );
+    let snapshot = gpu.slot_state(0);
+    let n = PROMPT as u32;
+    let cont: Vec<u32> = (0..16).map(|i| prompt[(i * 131) % PROMPT]).collect();
+    let other: Vec<u32> = cont.iter().map(|t| (t + 7) % vocab as u32).collect();
+
+    // One row against the CPU backend (its state is the post-prefill one).
+    let d1 = desc(&[(0, n, 1, &cont[..1])], 1);
+    let kind1 = VariantKind::Verify {
+        streams: 1,
+        window: 1,
+    };
+    run_both(&mut cpu, &mut gpu, kind1, &d1).expect("verify-s1-w1");
+    let r = rel(
+        &gpu.io(IoBuf::Logits)[..vocab],
+        &cpu.io(IoBuf::Logits)[..vocab],
+        vocab,
+    );
+    // Finite and spread (a NaN would pass rel's maximum and the bit comparisons alike).
+    let lg = &gpu.io(IoBuf::Logits)[..vocab];
+    let finite = lg.iter().all(|v| v.is_finite());
+    let spread =
+        lg.iter().fold(f32::MIN, |a, &b| a.max(b)) - lg.iter().fold(f32::MAX, |a, &b| a.min(b));
+    rep.add(
+        fx,
+        "verify-s1-w1 logits vs CPU",
+        r <= TOL && finite && spread > 0.0,
+        format!("max rel diff {r:.2e}, finite {finite}, max - min {spread:.3e}"),
+    );
+
+    // Stream 0's row across stream counts (other streams on other slots with other tokens): the unstaged kernel at
+    // one stream, the staged one from two; the one-wave combine up to 5 rows (x 24 heads <= 132 SMs), the looping
+    // one at 16 streams. And the lone-stream slot.
+    let mut base: Option<Vec<f32>> = None;
+    let mut identical = true;
+    for s in [1u32, 2, 4, 16] {
+        for slot in 0..s {
+            gpu.set_slot_state(slot, &snapshot).unwrap();
+        }
+        let mut ss: Vec<(u32, u32, u32, &[u32])> = vec![(0, n, 1, &cont[..1])];
+        for slot in 1..s {
+            ss.push((slot, n, 1, &other[..1]));
+        }
+        gpu.run(
+            VariantKind::Verify {
+                streams: s,
+                window: 1,
+            },
+            &desc(&ss, 1),
+        )
+        .unwrap();
+        identical &= same_bits_as(&mut base, &gpu.io(IoBuf::Logits)[..vocab]);
+    }
+    gpu.set_slot_state(0, &snapshot).unwrap();
+    gpu.run(VariantKind::Lone { window: 1 }, &d1).unwrap();
+    identical &= same_bits_as(&mut base, &gpu.io(IoBuf::Logits)[..vocab]);
+    rep.add(
+        fx,
+        "row invariance, streams 1/2/4/16 x 1 row and lone-w1",
+        identical,
+        "bit-identical stream-0 rows".into(),
+    );
+
+    // Rows across windows of one stream (the one-wave combine up to 5 rows, the looping one beyond) and a window of
+    // 16 rows of stream 0 beside a second stream (staged).
+    let mut rows_ref: Vec<Option<Vec<f32>>> = vec![None; 16];
+    let mut identical = true;
+    for (streams, win) in [(1u32, 1usize), (1, 4), (1, 8), (1, 16), (2, 16)] {
+        for slot in 0..streams {
+            gpu.set_slot_state(slot, &snapshot).unwrap();
+        }
+        let mut ss: Vec<(u32, u32, u32, &[u32])> = vec![(0, n, win as u32, &cont[..win])];
+        if streams == 2 {
+            ss.push((1, n, win as u32 - 3, &other[..win]));
+        }
+        gpu.run(
+            VariantKind::Verify {
+                streams,
+                window: win as u32,
+            },
+            &desc(&ss, win as u32),
+        )
+        .unwrap();
+        let lg = gpu.io(IoBuf::Logits);
+        for (j, slot) in rows_ref.iter_mut().enumerate().take(win) {
+            identical &= same_bits_as(slot, &lg[j * vocab..(j + 1) * vocab]);
+        }
+    }
+    rep.add(
+        fx,
+        "row invariance, windows 1/4/8/16 and s2-w16",
+        identical,
+        "bit-identical rows".into(),
     );
     let failed: Vec<_> = rep.rows.iter().filter(|r| !r.2).collect();
     assert!(
