@@ -52,7 +52,7 @@ fn main() -> std::process::ExitCode {
 
 fn run() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    if !matches!(cli.cmd, Cmd::Serve(_)) {
+    if !matches!(cli.cmd, Cmd::Serve(_) | Cmd::Bench(_)) {
         quiet_on_closed_pipe();
     }
     // Refuse unknown values of FLASHPLAN_* variables before anything slow happens.
@@ -76,7 +76,8 @@ fn run() -> anyhow::Result<()> {
 
 /// The commands that print to standard output end quietly when its reader goes away (`flashplan demo | head`), as
 /// other command-line tools do, instead of panicking in `println!`: SIGPIPE back to its default action (the Rust
-/// runtime ignores it). Not for `serve`, whose writes to closed sockets must stay errors of one request.
+/// runtime ignores it). Not for `serve` and `bench` (which may serve in-process), whose writes to closed sockets
+/// must stay errors of one request.
 fn quiet_on_closed_pipe() {
     #[cfg(unix)]
     // SAFETY: setting a signal's disposition to its default; no handler runs in this process.

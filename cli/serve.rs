@@ -49,5 +49,6 @@ pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
     rt.block_on(serve_addr(addr, state.clone()))
         .with_context(|| format!("serving on {addr}"))?;
     state.service.shutdown();
+    eprintln!("stopped");
     Ok(())
 }

@@ -178,3 +178,52 @@ fn a_missing_model_directory_is_named() {
         "{stderr}"
     );
 }
+
+#[test]
+fn an_error_prints_on_one_line_without_a_backtrace() {
+    // The errors are about the user's input: the message and its causes, not the backtrace `RUST_BACKTRACE` asks
+    // anyhow for.
+    let out = Command::new(env!("CARGO_BIN_EXE_flashplan"))
+        .args(["run", "--prompt", "hi", "--model", "models/flashnext-tiny"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("FLASHPLAN_BACKEND", "gpu")
+        .env("RUST_BACKTRACE", "1")
+        .output()
+        .expect("runs flashplan run");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(
+            "Error: environment variable FLASHPLAN_BACKEND=\"gpu\" is not accepted: expected one of auto, cpu, cuda"
+        ),
+        "{stderr}"
+    );
+    assert!(!stderr.to_lowercase().contains("backtrace"), "{stderr}");
+    assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");
+}
+
+#[cfg(unix)]
+#[test]
+fn a_closed_standard_output_ends_the_command_quietly() {
+    // `flashplan plans inspect ... | head -0`: the reader is gone before the first line, so every write fails.
+    use std::os::fd::FromRawFd;
+    let mut fds = [0 as libc::c_int; 2];
+    // SAFETY: fds has room for the two descriptors pipe(2) writes.
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0, "pipe");
+    // SAFETY: both descriptors were just opened by pipe(2) and are owned here alone.
+    let (reader, writer) = unsafe {
+        (
+            std::fs::File::from_raw_fd(fds[0]),
+            std::fs::File::from_raw_fd(fds[1]),
+        )
+    };
+    drop(reader);
+    let out = Command::new(env!("CARGO_BIN_EXE_flashplan"))
+        .args(["plans", "inspect", "plans/flashnext-tiny"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .stdout(writer)
+        .output()
+        .expect("runs flashplan plans inspect");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}

@@ -2,6 +2,8 @@
 //! reference or CUDA), drafts with the copy index or the MTP head, verifies exactly, and serves the OpenAI API.
 //! It never depends on the compiler crate: a serving machine needs only this crate and the plan files.
 
+#![warn(missing_docs)]
+
 pub mod backend;
 pub mod checkpoint;
 pub mod copy_index;

@@ -118,6 +118,7 @@ pub async fn serve_addr(addr: SocketAddr, state: AppState) -> std::io::Result<()
     let listener = tokio::net::TcpListener::bind(addr).await?;
     serve(listener, state, async {
         let _ = tokio::signal::ctrl_c().await;
+        eprintln!("Ctrl-C: no new connections; stopping once the replies in flight are done");
     })
     .await
 }
