@@ -364,3 +364,79 @@ fn wrong_method_and_oversized_body_get_openai_errors() {
     assert_eq!(e["code"], "request_too_large");
     assert_eq!(e["type"], "invalid_request_error");
 }
+
+/// The bundled model's CPU backend, panicking in its replay after `runs` replays (an engine thread's crash).
+struct PanicsAfter {
+    inner: flashplan_runtime::cpu::CpuBackend,
+    runs: usize,
+}
+
+impl flashplan_runtime::backend::Backend for PanicsAfter {
+    fn body(&self) -> &flashplan_plan::PlanBody {
+        self.inner.body()
+    }
+    fn run(
+        &mut self,
+        kind: flashplan_plan::VariantKind,
+        desc: &flashplan_plan::RoundDesc,
+    ) -> Result<(), flashplan_runtime::backend::BackendError> {
+        assert!(self.runs > 0, "injected crash of the engine thread");
+        self.runs -= 1;
+        self.inner.run(kind, desc)
+    }
+    fn io(&self, buf: flashplan_plan::IoBuf) -> &[f32] {
+        self.inner.io(buf)
+    }
+    fn write_io(&mut self, buf: flashplan_plan::IoBuf, offset: usize, data: &[f32]) {
+        self.inner.write_io(buf, offset, data)
+    }
+    fn reset_slot(&mut self, slot: u32) {
+        self.inner.reset_slot(slot)
+    }
+    fn slot_state(&self, slot: u32) -> Vec<f32> {
+        self.inner.slot_state(slot)
+    }
+}
+
+#[test]
+fn a_crashed_engine_thread_is_not_alive() {
+    // /health reads `is_alive`: after the engine thread panics it must say so, and new requests are refused.
+    let dir = root().join("models/flashnext-tiny");
+    let body = plan_for(&dir, &[1], 4, 32, 512);
+    let be = PanicsAfter {
+        inner: backend(&dir, body),
+        runs: 3,
+    };
+    let opts = EngineOptions {
+        max_depth: 4,
+        parallel: 1,
+        ..Default::default()
+    };
+    let tok = Arc::new(Tokenizer::from_dir(&dir).expect("tokenizer"));
+    let service = Service::start(Engine::new(be, opts, true), tok);
+    assert!(service.is_alive());
+    let req = || flashplan_runtime::service::GenRequest {
+        request: flashplan_runtime::engine::Request {
+            prompt: vec![1, 2, 3, 4],
+            max_tokens: 32,
+            sampling: flashplan_plan::SamplingParams::greedy(),
+            stop_token_ids: vec![],
+            ignore_eos: true,
+            draft: true,
+        },
+        stop: vec![],
+    };
+    // The reply's channel closes when the thread dies.
+    if let Ok(mut rx) = service.submit_blocking(req()) {
+        while rx.blocking_recv().is_some() {}
+    }
+    let t0 = std::time::Instant::now();
+    while service.is_alive() && t0.elapsed() < std::time::Duration::from_secs(10) {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    assert!(
+        !service.is_alive(),
+        "the engine thread panicked but is_alive() is still true"
+    );
+    assert!(service.submit_blocking(req()).is_err());
+}

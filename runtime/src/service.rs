@@ -365,8 +365,15 @@ impl Service {
         std::thread::Builder::new()
             .name("flashplan-engine".into())
             .spawn(move || {
+                // Clears `alive` however the loop ends, a panic included (/health then says so).
+                struct Dead(Arc<AtomicBool>);
+                impl Drop for Dead {
+                    fn drop(&mut self) {
+                        self.0.store(false, Ordering::SeqCst);
+                    }
+                }
+                let _dead = Dead(alive2);
                 engine_loop(engine, rx, streams, tok, m);
-                alive2.store(false, Ordering::SeqCst);
             })
             .expect("spawning the engine thread");
         Service {

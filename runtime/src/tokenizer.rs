@@ -401,6 +401,9 @@ impl TextStream {
             // Hold back the longest suffix that is a proper prefix of a stop string.
             for s in &self.stops {
                 for (i, _) in s.char_indices().skip(1) {
+                    if i > self.text.len() {
+                        break;
+                    }
                     if self.text.ends_with(&s[..i]) {
                         upto = upto.min(self.text.len() - i);
                     }

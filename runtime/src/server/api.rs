@@ -230,6 +230,11 @@ fn check_fields(m: &Map<String, Value>, chat: bool) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// The most stop strings a request may carry.
+pub const MAX_STOPS: usize = 16;
+/// The longest stop string a request may carry, bytes.
+pub const MAX_STOP_BYTES: usize = 1024;
+
 /// The highest `temperature` accepted (OpenAI's range is [0, 2]).
 const MAX_TEMPERATURE: f64 = 2.0;
 
@@ -440,6 +445,19 @@ pub fn parse_gen(m: &Map<String, Value>, chat: bool) -> Result<GenParams, ApiErr
             .collect::<Result<_, _>>()?,
         Some(v) => return Err(wrong("stop", "a string or an array of strings", v)),
     };
+    // Every reply token is checked against every stop string on the engine thread all streams share, so their
+    // size is bounded (OpenAI takes 4 strings).
+    if stop.len() > MAX_STOPS || stop.iter().any(|s| s.len() > MAX_STOP_BYTES) {
+        return Err(ApiError::invalid(
+            Some("stop"),
+            format!(
+                "`stop` takes at most {MAX_STOPS} strings of at most {MAX_STOP_BYTES} bytes each, got {} (the \
+                 longest {} bytes)",
+                stop.len(),
+                stop.iter().map(String::len).max().unwrap_or(0)
+            ),
+        ));
+    }
     let stop_token_ids = match present(m, "stop_token_ids") {
         None => vec![],
         Some(Value::Array(a)) => token_ids("stop_token_ids", a)?,
@@ -504,6 +522,21 @@ mod tests {
         assert!(matches!(g.prompt, Prompt::Ids(ref v) if v == &[1, 2, 3]));
         assert!(!g.draft);
         assert_eq!(g.max_tokens, Some(4));
+        // Stop strings up to their bounds, and one past each.
+        let stops = |n: usize, len: usize| {
+            serde_json::json!({"prompt": "a", "stop": vec!["s".repeat(len); n]}).to_string()
+        };
+        assert!(p(&stops(MAX_STOPS, MAX_STOP_BYTES), false).is_ok());
+        for body in [stops(MAX_STOPS + 1, 1), stops(1, MAX_STOP_BYTES + 1)] {
+            let e = p(&body, false).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some("stop"), "{}", e.message);
+            assert!(
+                e.message
+                    .contains("at most 16 strings of at most 1024 bytes"),
+                "{}",
+                e.message
+            );
+        }
         for (body, param) in [
             (r#"{"prompt": "a", "temperature": -1}"#, Some("temperature")),
             (r#"{"prompt": "a", "stop": 3}"#, Some("stop")),

@@ -175,6 +175,18 @@ fn in_vocab(param: &str, ids: &[u32], vocab: u32) -> Result<(), ApiError> {
     }
 }
 
+/// Runs `f` (parsing a body, a chat template, tokenizing: time in the body's size) on tokio's blocking pool, so
+/// the async threads keep serving other requests; a panic in it is an internal error of this request alone.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f).await.unwrap_or_else(|e| {
+        Err(ApiError::internal(format!(
+            "preparing the request failed: {e}"
+        )))
+    })
+}
+
 /// Tokenizes the prompt and builds the engine request.
 fn build(state: &AppState, p: &GenParams, chat: bool) -> Result<GenRequest, ApiError> {
     if let Some(m) = p.model.as_deref().filter(|&m| m != state.model_name) {
@@ -274,13 +286,16 @@ async fn completions(
 }
 
 async fn generate(state: AppState, body: Result<Bytes, BytesRejection>, chat: bool) -> Response {
-    let parsed = read_body(body).and_then(|b| parse_object(&b).and_then(|m| parse_gen(&m, chat)));
-    let p = match parsed {
-        Ok(p) => p,
-        Err(e) => return e.into_response(),
-    };
-    let req = match build(&state, &p, chat) {
-        Ok(r) => r,
+    // Parsing, the chat template and tokenizing take time in the body's size (a prompt of megabytes: seconds).
+    let st = state.clone();
+    let prepared = blocking(move || {
+        let p = read_body(body).and_then(|b| parse_object(&b).and_then(|m| parse_gen(&m, chat)))?;
+        let req = build(&st, &p, chat)?;
+        Ok((p, req))
+    })
+    .await;
+    let (p, req) = match prepared {
+        Ok(pr) => pr,
         Err(e) => return e.into_response(),
     };
     let rx = match state.service.submit(req).await {
@@ -484,7 +499,7 @@ async fn metrics(State(state): State<AppState>) -> Response {
 }
 
 async fn tokenize(State(state): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
-    let run = || -> Result<Value, ApiError> {
+    let run = move || -> Result<Value, ApiError> {
         let m = parse_object(&read_body(body)?)?;
         let tok = &state.service.tokenizer;
         let ids = if m.contains_key("messages") {
@@ -520,7 +535,7 @@ async fn tokenize(State(state): State<AppState>, body: Result<Bytes, BytesReject
         };
         Ok(json!({"count": ids.len(), "max_model_len": state.service.info.context, "tokens": ids}))
     };
-    match run() {
+    match blocking(run).await {
         Ok(v) => Json(v).into_response(),
         Err(e) => e.into_response(),
     }
@@ -530,7 +545,7 @@ async fn detokenize(
     State(state): State<AppState>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let run = || -> Result<Value, ApiError> {
+    let run = move || -> Result<Value, ApiError> {
         let m = parse_object(&read_body(body)?)?;
         let ids = match m.get("tokens") {
             Some(Value::Array(a)) => api::token_ids("tokens", a)?,
@@ -553,7 +568,7 @@ async fn detokenize(
             .map_err(|e| ApiError::invalid(Some("tokens"), e.to_string()))?;
         Ok(json!({"prompt": text}))
     };
-    match run() {
+    match blocking(run).await {
         Ok(v) => Json(v).into_response(),
         Err(e) => e.into_response(),
     }
