@@ -440,3 +440,54 @@ fn a_crashed_engine_thread_is_not_alive() {
     );
     assert!(service.submit_blocking(req()).is_err());
 }
+
+#[test]
+fn a_stream_the_engine_drops_still_ends_with_done() {
+    // The engine thread dies mid-reply: the streamed reply carries an error event, then the end marker.
+    let dir = root().join("models/flashnext-tiny");
+    let body = plan_for(&dir, &[1], 4, 32, 512);
+    let be = PanicsAfter {
+        inner: backend(&dir, body),
+        runs: 3,
+    };
+    let opts = EngineOptions {
+        max_depth: 4,
+        parallel: 1,
+        ..Default::default()
+    };
+    let tok = Arc::new(Tokenizer::from_dir(&dir).expect("tokenizer"));
+    let state = AppState {
+        service: Service::start(Engine::new(be, opts, true), tok),
+        model_name: "flashnext-tiny".into(),
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let l = rt
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .expect("bind");
+    let addr = l.local_addr().expect("addr").to_string();
+    rt.spawn(serve(l, state, std::future::pending()));
+    let mut events = Vec::new();
+    let r = client::stream_sse(
+        &addr,
+        "/v1/completions",
+        r#"{"prompt": [1, 2, 3, 4], "max_tokens": 32, "ignore_eos": true, "stream": true}"#,
+        |d| events.push(d.to_string()),
+    )
+    .expect("request");
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(
+        events
+            .iter()
+            .any(|e| e.contains("the engine dropped the request")),
+        "{events:?}"
+    );
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{events:?}"
+    );
+}

@@ -453,6 +453,8 @@ fn sse_response(
                 out.push(data(
                     &ApiError::internal("the engine dropped the request").body(),
                 ));
+                // As after an engine error: clients wait for the end marker.
+                out.push(Ok(SseEvent::default().data("[DONE]")));
                 st.rx = None;
             }
         }
