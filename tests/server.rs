@@ -398,9 +398,8 @@ impl flashplan_runtime::backend::Backend for PanicsAfter {
     }
 }
 
-#[test]
-fn a_crashed_engine_thread_is_not_alive() {
-    // /health reads `is_alive`: after the engine thread panics it must say so, and new requests are refused.
+/// A service on the bundled model whose engine thread panics at its fourth replay.
+fn panicking_service() -> Service {
     let dir = root().join("models/flashnext-tiny");
     let body = plan_for(&dir, &[1], 4, 32, 512);
     let be = PanicsAfter {
@@ -413,7 +412,13 @@ fn a_crashed_engine_thread_is_not_alive() {
         ..Default::default()
     };
     let tok = Arc::new(Tokenizer::from_dir(&dir).expect("tokenizer"));
-    let service = Service::start(Engine::new(be, opts, true), tok);
+    Service::start(Engine::new(be, opts, true), tok)
+}
+
+#[test]
+fn a_crashed_engine_thread_is_not_alive() {
+    // /health reads `is_alive`: after the engine thread panics it must say so, and new requests are refused.
+    let service = panicking_service();
     assert!(service.is_alive());
     let req = || flashplan_runtime::service::GenRequest {
         request: flashplan_runtime::engine::Request {
@@ -444,20 +449,8 @@ fn a_crashed_engine_thread_is_not_alive() {
 #[test]
 fn a_stream_the_engine_drops_still_ends_with_done() {
     // The engine thread dies mid-reply: the streamed reply carries an error event, then the end marker.
-    let dir = root().join("models/flashnext-tiny");
-    let body = plan_for(&dir, &[1], 4, 32, 512);
-    let be = PanicsAfter {
-        inner: backend(&dir, body),
-        runs: 3,
-    };
-    let opts = EngineOptions {
-        max_depth: 4,
-        parallel: 1,
-        ..Default::default()
-    };
-    let tok = Arc::new(Tokenizer::from_dir(&dir).expect("tokenizer"));
     let state = AppState {
-        service: Service::start(Engine::new(be, opts, true), tok),
+        service: panicking_service(),
         model_name: "flashnext-tiny".into(),
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
