@@ -87,19 +87,16 @@ pub enum BackendChoice {
 
 /// The backend choice from `FLASHPLAN_BACKEND`.
 pub fn backend_choice() -> anyhow::Result<BackendChoice> {
-    match std::env::var("FLASHPLAN_BACKEND").as_deref() {
-        Err(std::env::VarError::NotPresent) | Ok("auto") => Ok(BackendChoice::Auto),
-        Ok("cpu") => Ok(BackendChoice::Cpu),
-        Ok("cuda") => Ok(BackendChoice::Cuda),
-        Ok(other) => Err(EnvError {
+    let Some(v) = std::env::var_os("FLASHPLAN_BACKEND") else {
+        return Ok(BackendChoice::Auto);
+    };
+    match v.to_str() {
+        Some("auto") => Ok(BackendChoice::Auto),
+        Some("cpu") => Ok(BackendChoice::Cpu),
+        Some("cuda") => Ok(BackendChoice::Cuda),
+        _ => Err(EnvError {
             name: "FLASHPLAN_BACKEND",
-            value: other.to_string(),
-            expected: "auto, cpu, cuda",
-        }
-        .into()),
-        Err(e) => Err(EnvError {
-            name: "FLASHPLAN_BACKEND",
-            value: e.to_string(),
+            value: v.to_string_lossy().into_owned(),
             expected: "auto, cpu, cuda",
         }
         .into()),

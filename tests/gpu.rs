@@ -31,18 +31,24 @@ const CHUNK: u32 = 16;
 fn plans(dir: &Path) -> (PlanBody, PlanBody) {
     let text = std::fs::read_to_string(dir.join("config.json")).expect("config.json");
     let cfg = ModelConfig::from_json_str(&text).expect("config parses");
+    plans_of(&cfg, vec![1, 2, 4, 8, 16], 512)
+}
+
+/// The CPU and the GPU (`sm_90a`) plans of `cfg` for these stream counts and context, depth 15, prefill chunks of
+/// [`CHUNK`].
+fn plans_of(cfg: &ModelConfig, streams: Vec<u32>, context: u64) -> (PlanBody, PlanBody) {
     let mut opts = CompileOptions {
         arch: "sm_90a".into(),
         max_depth: 15,
-        streams: vec![1, 2, 4, 8, 16],
-        context: 512,
+        streams,
+        context,
         prefill_chunk: CHUNK,
     };
-    let gpu = flashplan_compiler::compile(&cfg, &opts, &Default::default(), "test", |_, _| {})
+    let gpu = flashplan_compiler::compile(cfg, &opts, &Default::default(), "test", |_, _| {})
         .unwrap_or_else(|e| panic!("compiling GPU plans: {e}"))
         .body;
     opts.arch = "cpu".into();
-    let cpu = flashplan_compiler::compile(&cfg, &opts, &Default::default(), "test", |_, _| {})
+    let cpu = flashplan_compiler::compile(cfg, &opts, &Default::default(), "test", |_, _| {})
         .expect("cpu plans")
         .body;
     (cpu, gpu)
@@ -713,21 +719,8 @@ fn gpu_sparse_attention_at_the_real_shape() {
     println!("GPU: {name}; real attention shape (24 heads over 2 kv heads of 256, 65 chunks of 32 selected tokens)");
     println!("| fixture | check | result | detail |\n|---|---|---|---|");
     let fx = "real-attention";
-    let cfg = real_attention_config(CONTEXT);
-    let mut opts = CompileOptions {
-        arch: "sm_90a".into(),
-        max_depth: 15,
-        streams: vec![1, 2, 4, 16],
-        context: CONTEXT,
-        prefill_chunk: CHUNK,
-    };
-    let gpu_body = flashplan_compiler::compile(&cfg, &opts, &Default::default(), "test", |_, _| {})
-        .unwrap_or_else(|e| panic!("compiling GPU plans: {e}"))
-        .body;
-    opts.arch = "cpu".into();
-    let cpu_body = flashplan_compiler::compile(&cfg, &opts, &Default::default(), "test", |_, _| {})
-        .expect("cpu plans")
-        .body;
+    let (cpu_body, gpu_body) =
+        plans_of(&real_attention_config(CONTEXT), vec![1, 2, 4, 16], CONTEXT);
     let vocab = cpu_body.config.vocab_size as usize;
     let w = seeded_weights(&cpu_body, 2026);
     let cpu_body = Arc::new(cpu_body);
