@@ -233,6 +233,12 @@ fn bad_requests_get_400_naming_the_problem() {
             "from 0 to 2",
         ),
         (
+            // Shown as given, not as the f32 it rounds to ("got 0").
+            "{\"prompt\": \"a\", \"top_p\": 1e-50}".to_string(),
+            json!("top_p"),
+            "got 1e-50",
+        ),
+        (
             "{\"prompt\": \"a\", \"seed\": 18446744073709551616}".to_string(),
             json!("seed"),
             "integer",

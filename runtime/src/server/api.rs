@@ -100,11 +100,39 @@ fn wrong(k: &str, want: &str, v: &Value) -> ApiError {
     )
 }
 
-/// An optional number field.
-fn num(m: &Map<String, Value>, k: &str) -> Result<Option<f64>, ApiError> {
-    match present(m, k) {
-        None => Ok(None),
-        Some(v) => v.as_f64().map(Some).ok_or_else(|| wrong(k, "a number", v)),
+/// A number for a message, as the request wrote it: to 15 significant digits (the most an `f64` keeps of any
+/// decimal; serde_json reads `1e-50` as `9.999999999999999e-51`), in plain notation from 1e-4 to 1e15 and in
+/// exponent notation outside (`1e-50`, not fifty zeros).
+fn shown(x: f64) -> String {
+    let r = format!("{x:.14e}").parse::<f64>().unwrap_or(x);
+    if r == 0.0 || (1e-4..1e15).contains(&r.abs()) {
+        format!("{r}")
+    } else {
+        format!("{r:e}")
+    }
+}
+
+/// An optional number field (`default` when absent) for which `ok` holds; `want` says which values those are
+/// (`in [0, 1]`). Another value is a 400 showing it as the request wrote it (`1e-50`), not as the `f32` the sampler
+/// takes (`0`).
+fn num_in(
+    m: &Map<String, Value>,
+    k: &str,
+    default: f64,
+    want: &str,
+    ok: impl Fn(f64) -> bool,
+) -> Result<f64, ApiError> {
+    let Some(v) = present(m, k) else {
+        return Ok(default);
+    };
+    let x = v.as_f64().ok_or_else(|| wrong(k, "a number", v))?;
+    if ok(x) {
+        Ok(x)
+    } else {
+        Err(ApiError::invalid(
+            Some(k),
+            format!("`{k}` must be {want}, got {}", shown(x)),
+        ))
     }
 }
 
@@ -394,15 +422,27 @@ pub fn parse_gen(m: &Map<String, Value>, chat: bool) -> Result<GenParams, ApiErr
             ));
         }
     }
-    let temperature = num(m, "temperature")?.unwrap_or(1.0);
-    if temperature > MAX_TEMPERATURE {
-        return Err(ApiError::invalid(
-            Some("temperature"),
-            format!("`temperature` must be from 0 to {MAX_TEMPERATURE}, got {temperature}"),
-        ));
-    }
-    let top_p = num(m, "top_p")?.unwrap_or(1.0);
-    let min_p = num(m, "min_p")?.unwrap_or(0.0);
+    // The ranges are checked on the numbers as given: the sampler's `f32` would turn `-1e-50` into an accepted
+    // `-0`, `1e-50` into a refused `0` and `1e300` into `inf`.
+    let temperature = num_in(
+        m,
+        "temperature",
+        1.0,
+        &format!("from 0 to {MAX_TEMPERATURE}"),
+        |t| (0.0..=MAX_TEMPERATURE).contains(&t),
+    )?;
+    // A positive `top_p` below the smallest positive `f32` would reach the sampler as 0.
+    let top_p = num_in(
+        m,
+        "top_p",
+        1.0,
+        &format!(
+            "in (0, 1] and at least {:e} (the smallest 32-bit float above 0)",
+            f32::from_bits(1)
+        ),
+        |p| p > 0.0 && p <= 1.0 && p as f32 > 0.0,
+    )?;
+    let min_p = num_in(m, "min_p", 0.0, "in [0, 1]", |p| (0.0..=1.0).contains(&p))?;
     let top_k = match int(m, "top_k")? {
         None | Some(-1) => 0,
         Some(k) if (0..=i128::from(u32::MAX)).contains(&k) => k as u32,
@@ -420,6 +460,7 @@ pub fn parse_gen(m: &Map<String, Value>, chat: bool) -> Result<GenParams, ApiErr
         min_p: min_p as f32,
         seed: 0,
     };
+    // Passes after the checks above; kept so that a rule added to `validate` holds here too.
     if let Err(e) = sampling.validate() {
         let param = match e {
             crate::sampler::SamplingError::Temperature(_) => "temperature",
@@ -609,5 +650,43 @@ mod tests {
         )
         .unwrap();
         assert_eq!(g.seed, Some(u64::MAX));
+    }
+
+    #[test]
+    fn sampling_values_out_of_range_are_shown_as_given() {
+        // Before: `1e-50` rounded to an f32 `0` ("got 0"), `-1e-50` to an accepted `-0`, `1e300` to `inf`.
+        for (field, value, range) in [
+            ("top_p", "1e-50", "in (0, 1] and at least 1e-45"),
+            ("top_p", "-1e-50", "in (0, 1]"),
+            ("top_p", "-1e-9", "in (0, 1]"),
+            ("top_p", "0", "in (0, 1]"),
+            ("top_p", "1.0000000001", "in (0, 1]"),
+            ("top_p", "1e300", "in (0, 1]"),
+            ("temperature", "-1e-50", "from 0 to 2"),
+            ("temperature", "-1e300", "from 0 to 2"),
+            ("temperature", "1e300", "from 0 to 2"),
+            ("temperature", "2.5", "from 0 to 2"),
+            ("min_p", "-1e-50", "in [0, 1]"),
+            ("min_p", "1.5", "in [0, 1]"),
+        ] {
+            let body = format!(r#"{{"prompt": "a", "{field}": {value}}}"#);
+            let e = p(&body, false).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(field), "{body}: {}", e.message);
+            assert!(
+                e.message.starts_with(&format!("`{field}` must be {range}"))
+                    && e.message.ends_with(&format!(", got {value}")),
+                "{body}: {}",
+                e.message
+            );
+        }
+        // Tiny values the sampler's f32 holds are taken as given.
+        let g = p(r#"{"prompt": "a", "top_p": 1e-9, "min_p": 1e-9}"#, false).unwrap();
+        assert_eq!((g.sampling.top_p, g.sampling.min_p), (1e-9, 1e-9));
+        let g = p(
+            r#"{"prompt": "a", "top_p": 1e-45, "temperature": 2}"#,
+            false,
+        )
+        .unwrap();
+        assert!(g.sampling.top_p > 0.0 && g.sampling.temperature == 2.0);
     }
 }
