@@ -1,7 +1,7 @@
 //! The plan file format: `FLASHPLN` magic, a little-endian u32 header length, the bincode-encoded
 //! [`PlanHeader`], then the bincode-encoded [`PlanBody`] (bincode 2.0.1, standard config, through serde).
-//! Files are written atomically (temporary file in the same folder, fsync, rename) and are deterministic:
-//! the same inputs give byte-identical files.
+//! Files are written atomically (temporary file in the same folder, fsync, rename, fsync of the folder) and are
+//! deterministic: the same inputs give byte-identical files.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -196,7 +196,8 @@ impl PlanSet {
         Ok(out)
     }
 
-    /// Writes the file atomically: a temporary file beside `path`, fsync, then rename over `path`.
+    /// Writes the file atomically: a temporary file beside `path`, fsync, rename over `path`, then (on Unix) an
+    /// fsync of the folder.
     pub fn write_atomic(&self, path: &Path) -> Result<(), FormatError> {
         let bytes = self.to_bytes()?;
         write_atomic(path, &bytes)
@@ -295,7 +296,8 @@ impl PlanSet {
     }
 }
 
-/// Writes `bytes` to `path` atomically (temporary file in the same folder, fsync, rename).
+/// Writes `bytes` to `path` atomically (temporary file in the same folder, fsync, rename, then an fsync of the
+/// folder on Unix, so that a crash after the call returns cannot undo the rename).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), FormatError> {
     let io = |source| FormatError::Io {
         path: path.to_path_buf(),
@@ -323,5 +325,56 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), FormatError> {
     if result.is_err() {
         let _ = std::fs::remove_file(&tmp);
     }
-    result.map_err(io)
+    result.map_err(io)?;
+    sync_dir(dir).map_err(|source| FormatError::Io {
+        path: dir.to_path_buf(),
+        source,
+    })
+}
+
+#[cfg(test)]
+thread_local! {
+    /// The folders [`sync_dir`] flushed on this thread (a flush has no other trace short of a crash).
+    static SYNCED_DIRS: std::cell::RefCell<Vec<PathBuf>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Flushes a folder's entries (a rename into it) to disk.
+#[cfg(unix)]
+fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    #[cfg(test)]
+    SYNCED_DIRS.with(|d| d.borrow_mut().push(dir.to_path_buf()));
+    std::fs::File::open(dir)?.sync_all()
+}
+
+/// Elsewhere a folder cannot be opened as a file to flush it (Windows: NTFS journals the rename itself).
+#[cfg(not(unix))]
+fn sync_dir(_dir: &Path) -> std::io::Result<()> {
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[cfg(unix)]
+    #[test]
+    fn write_atomic_flushes_the_folder_after_the_rename() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let dir = tmp.path().join("plans");
+        let path = dir.join("plans.fplan");
+        SYNCED_DIRS.with(|d| d.borrow_mut().clear());
+        write_atomic(&path, b"one").expect("first write");
+        write_atomic(&path, b"two").expect("second write");
+        assert_eq!(std::fs::read(&path).expect("read"), b"two");
+        assert_eq!(
+            SYNCED_DIRS.with(|d| d.borrow().clone()),
+            [dir.clone(), dir.clone()]
+        );
+        // No temporary file is left beside it.
+        let names: Vec<_> = std::fs::read_dir(&dir)
+            .expect("read_dir")
+            .map(|e| e.expect("entry").file_name())
+            .collect();
+        assert_eq!(names, ["plans.fplan"]);
+    }
 }
