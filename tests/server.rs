@@ -490,3 +490,48 @@ fn a_stream_the_engine_drops_still_ends_with_done() {
         "{events:?}"
     );
 }
+
+#[test]
+fn a_full_queue_gets_429_with_retry_after() {
+    // A queue of 0 waiting requests: every request finds it full.
+    let dir = root().join("models/flashnext-tiny");
+    let opts = EngineOptions {
+        max_depth: 4,
+        parallel: 1,
+        queue: 0,
+        ..Default::default()
+    };
+    let engine = Engine::new(backend(&dir, plan_for(&dir, &[1], 4, 32, 512)), opts, true);
+    let tok = Arc::new(Tokenizer::from_dir(&dir).expect("tokenizer"));
+    let state = AppState {
+        service: Service::start(engine, tok),
+        model_name: "flashnext-tiny".into(),
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let l = rt
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .expect("bind");
+    let addr = l.local_addr().expect("addr").to_string();
+    rt.spawn(serve(l, state, std::future::pending()));
+    for stream in [false, true] {
+        let body = json!({"prompt": "a", "max_tokens": 2, "stream": stream}).to_string();
+        let r = client::request(&addr, "POST", "/v1/completions", Some(&body)).expect("request");
+        assert_eq!(r.status, 429, "{body}: {}", r.body);
+        assert_eq!(r.json()["error"]["code"], "queue_full", "{}", r.body);
+        let retry: Vec<_> = r
+            .headers
+            .iter()
+            .filter(|(k, _)| k == "retry-after")
+            .collect();
+        assert_eq!(
+            retry,
+            [&("retry-after".to_string(), "1".to_string())],
+            "{:?}",
+            r.headers
+        );
+    }
+}

@@ -1,6 +1,6 @@
 //! OpenAI-style error bodies: `{"error": {"message", "type", "param", "code"}}` with the right HTTP status.
 
-use axum::http::StatusCode;
+use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
 
@@ -101,8 +101,16 @@ impl From<SubmitError> for ApiError {
     }
 }
 
+/// The `Retry-After` of a 429 (the engine's queue is full), seconds: a slot frees as soon as one reply ends.
+pub const RETRY_AFTER_S: u32 = 1;
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, axum::Json(self.body())).into_response()
+        let mut r = (self.status, axum::Json(self.body())).into_response();
+        if self.status == StatusCode::TOO_MANY_REQUESTS {
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(RETRY_AFTER_S));
+        }
+        r
     }
 }
