@@ -43,8 +43,15 @@ pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
         .build()
         .context("starting the tokio runtime")?;
     eprintln!(
-        "serving {} on http://{addr} (context {}, {} streams at once); Ctrl-C stops",
-        state.model_name, state.service.info.context, state.service.info.parallel
+        "serving {} on http://{addr} (context {}, {} streams at once); {} stops",
+        state.model_name,
+        state.service.info.context,
+        state.service.info.parallel,
+        if cfg!(unix) {
+            "Ctrl-C or SIGTERM"
+        } else {
+            "Ctrl-C"
+        }
     );
     rt.block_on(serve_addr(addr, state.clone()))
         .with_context(|| format!("serving on {addr}"))?;

@@ -227,3 +227,88 @@ fn a_closed_standard_output_ends_the_command_quietly() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
+
+/// Serves the bundled model on the CPU backend, sends `signal` once /health answers (the handlers are then in
+/// place), and returns the exit status and standard error.
+#[cfg(unix)]
+fn serve_then_signal(signal: libc::c_int) -> (std::process::ExitStatus, String) {
+    use std::io::Read;
+    use std::time::{Duration, Instant};
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_flashplan"))
+        .args(["serve", "--model", "models/flashnext-tiny", "--plans"])
+        .arg("plans/flashnext-tiny")
+        .args(["--parallel", "1", "--port", &port.to_string()])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("FLASHPLAN_BACKEND", "cpu")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("runs flashplan serve");
+    let mut stderr = child.stderr.take().expect("stderr");
+    let reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stderr.read_to_string(&mut s);
+        s
+    });
+    let addr = format!("127.0.0.1:{port}");
+    let t0 = Instant::now();
+    loop {
+        let health = flashplan_runtime::server::client::request(&addr, "GET", "/health", None);
+        if health.is_ok_and(|r| r.status == 200) {
+            break;
+        }
+        if t0.elapsed() > Duration::from_secs(60) || child.try_wait().ok().flatten().is_some() {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "the server did not come up: {}",
+                reader.join().unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let pid = libc::pid_t::try_from(child.id()).expect("pid");
+    // SAFETY: kill(2) with the id of a child this test spawned and has not reaped.
+    assert_eq!(unsafe { libc::kill(pid, signal) }, 0, "kill");
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("try_wait") {
+            break s;
+        }
+        if t0.elapsed() > Duration::from_secs(30) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "signal {signal} did not stop the server: {}",
+                reader.join().unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    (status, reader.join().expect("stderr reader"))
+}
+
+#[cfg(unix)]
+#[test]
+fn sigterm_stops_the_server_as_ctrl_c_does() {
+    // SIGTERM is what systemd and docker send: the same graceful way out as Ctrl-C, naming the signal, exit 0.
+    for (signal, name) in [(libc::SIGTERM, "SIGTERM"), (libc::SIGINT, "Ctrl-C")] {
+        let (status, stderr) = serve_then_signal(signal);
+        assert!(status.success(), "{name}: {status}: {stderr}");
+        assert!(
+            stderr.contains(&format!(
+                "{name}: no new connections; stopping once the replies in flight are done"
+            )),
+            "{stderr}"
+        );
+        assert_eq!(
+            stderr.trim_end().lines().last(),
+            Some("stopped"),
+            "{stderr}"
+        );
+    }
+}

@@ -110,17 +110,42 @@ pub async fn serve(
         .await
 }
 
-/// Binds `addr` (127.0.0.1 unless told otherwise) and serves until Ctrl-C.
+/// Binds `addr` (127.0.0.1 unless told otherwise) and serves until Ctrl-C or, on Unix, SIGTERM (what systemd and
+/// docker send): then no new connection is taken and it returns once the replies in flight are done.
 ///
 /// # Errors
-/// Binding or serving failed.
+/// Installing the signal handlers, binding or serving failed.
 pub async fn serve_addr(addr: SocketAddr, state: AppState) -> std::io::Result<()> {
+    let stop = stop_signal()?;
     let listener = tokio::net::TcpListener::bind(addr).await?;
     serve(listener, state, async {
-        let _ = tokio::signal::ctrl_c().await;
-        eprintln!("Ctrl-C: no new connections; stopping once the replies in flight are done");
+        let name = stop.await;
+        eprintln!("{name}: no new connections; stopping once the replies in flight are done");
     })
     .await
+}
+
+/// Resolves at the first Ctrl-C (SIGINT) or SIGTERM, with its name; both handlers are in place when it returns.
+#[cfg(unix)]
+fn stop_signal() -> std::io::Result<impl std::future::Future<Output = &'static str>> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut int = signal(SignalKind::interrupt())?;
+    let mut term = signal(SignalKind::terminate())?;
+    Ok(async move {
+        tokio::select! {
+            _ = int.recv() => "Ctrl-C",
+            _ = term.recv() => "SIGTERM",
+        }
+    })
+}
+
+/// Resolves at the first Ctrl-C, with its name (there is no SIGTERM here).
+#[cfg(not(unix))]
+fn stop_signal() -> std::io::Result<impl std::future::Future<Output = &'static str>> {
+    Ok(async {
+        let _ = tokio::signal::ctrl_c().await;
+        "Ctrl-C"
+    })
 }
 
 fn now() -> u64 {
