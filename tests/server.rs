@@ -53,6 +53,22 @@ fn server() -> &'static str {
     })
 }
 
+/// A server of `state` on a free local port, run by its own runtime (returned: the server stops when it drops), and
+/// its address.
+fn serve_on_a_free_port(state: AppState) -> (tokio::runtime::Runtime, String) {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let l = rt
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .expect("bind");
+    let addr = l.local_addr().expect("addr").to_string();
+    rt.spawn(serve(l, state, std::future::pending()));
+    (rt, addr)
+}
+
 fn post(path: &str, body: &str) -> client::Response {
     client::request(server(), "POST", path, Some(body)).expect("request")
 }
@@ -459,16 +475,7 @@ fn a_stream_the_engine_drops_still_ends_with_done() {
         service: panicking_service(),
         model_name: "flashnext-tiny".into(),
     };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime");
-    let l = rt
-        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-        .expect("bind");
-    let addr = l.local_addr().expect("addr").to_string();
-    rt.spawn(serve(l, state, std::future::pending()));
+    let (_rt, addr) = serve_on_a_free_port(state);
     let mut events = Vec::new();
     let r = client::stream_sse(
         &addr,
@@ -507,16 +514,7 @@ fn a_full_queue_gets_429_with_retry_after() {
         service: Service::start(engine, tok),
         model_name: "flashnext-tiny".into(),
     };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime");
-    let l = rt
-        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-        .expect("bind");
-    let addr = l.local_addr().expect("addr").to_string();
-    rt.spawn(serve(l, state, std::future::pending()));
+    let (_rt, addr) = serve_on_a_free_port(state);
     for stream in [false, true] {
         let body = json!({"prompt": "a", "max_tokens": 2, "stream": stream}).to_string();
         let r = client::request(&addr, "POST", "/v1/completions", Some(&body)).expect("request");
