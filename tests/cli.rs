@@ -262,12 +262,7 @@ fn serve_then_signal(signal: libc::c_int) -> (std::process::ExitStatus, String) 
             break;
         }
         if t0.elapsed() > Duration::from_secs(60) || child.try_wait().ok().flatten().is_some() {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!(
-                "the server did not come up: {}",
-                reader.join().unwrap_or_default()
-            );
+            give_up(&mut child, reader, "the server did not come up");
         }
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -280,16 +275,27 @@ fn serve_then_signal(signal: libc::c_int) -> (std::process::ExitStatus, String) 
             break s;
         }
         if t0.elapsed() > Duration::from_secs(30) {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!(
-                "signal {signal} did not stop the server: {}",
-                reader.join().unwrap_or_default()
+            give_up(
+                &mut child,
+                reader,
+                &format!("signal {signal} did not stop the server"),
             );
         }
         std::thread::sleep(Duration::from_millis(20));
     };
     (status, reader.join().expect("stderr reader"))
+}
+
+/// Kills and reaps `child`, then fails the test with `what` and the standard error `reader` collected.
+#[cfg(unix)]
+fn give_up(
+    child: &mut std::process::Child,
+    reader: std::thread::JoinHandle<String>,
+    what: &str,
+) -> ! {
+    let _ = child.kill();
+    let _ = child.wait();
+    panic!("{what}: {}", reader.join().unwrap_or_default());
 }
 
 #[cfg(unix)]
