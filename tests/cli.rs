@@ -228,10 +228,10 @@ fn a_closed_standard_output_ends_the_command_quietly() {
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
 
-/// Serves the bundled model on the CPU backend, sends `signal` once /health answers (the handlers are then in
-/// place), and returns the exit status and standard error.
+/// A `flashplan serve` of the bundled model on the CPU backend, up once /health answers (its signal handlers are
+/// then in place): the child, the thread collecting its standard error, and its address.
 #[cfg(unix)]
-fn serve_then_signal(signal: libc::c_int) -> (std::process::ExitStatus, String) {
+fn serve_bundled() -> (std::process::Child, std::thread::JoinHandle<String>, String) {
     use std::io::Read;
     use std::time::{Duration, Instant};
     let port = std::net::TcpListener::bind("127.0.0.1:0")
@@ -266,24 +266,48 @@ fn serve_then_signal(signal: libc::c_int) -> (std::process::ExitStatus, String) 
         }
         std::thread::sleep(Duration::from_millis(50));
     }
+    (child, reader, addr)
+}
+
+/// Sends `signal` to `child` (spawned by this test and not reaped).
+#[cfg(unix)]
+fn send_signal(child: &std::process::Child, signal: libc::c_int) {
     let pid = libc::pid_t::try_from(child.id()).expect("pid");
     // SAFETY: kill(2) with the id of a child this test spawned and has not reaped.
     assert_eq!(unsafe { libc::kill(pid, signal) }, 0, "kill");
+}
+
+/// Waits up to 30 s for `child` to exit (else fails with `what`), then returns its status and standard error.
+#[cfg(unix)]
+fn wait_exit(
+    mut child: std::process::Child,
+    reader: std::thread::JoinHandle<String>,
+    what: &str,
+) -> (std::process::ExitStatus, String) {
+    use std::time::{Duration, Instant};
     let t0 = Instant::now();
     let status = loop {
         if let Some(s) = child.try_wait().expect("try_wait") {
             break s;
         }
         if t0.elapsed() > Duration::from_secs(30) {
-            give_up(
-                &mut child,
-                reader,
-                &format!("signal {signal} did not stop the server"),
-            );
+            give_up(&mut child, reader, what);
         }
         std::thread::sleep(Duration::from_millis(20));
     };
     (status, reader.join().expect("stderr reader"))
+}
+
+/// Serves the bundled model, sends `signal` once it is up, and returns the exit status and standard error.
+#[cfg(unix)]
+fn serve_then_signal(signal: libc::c_int) -> (std::process::ExitStatus, String) {
+    let (child, reader, _) = serve_bundled();
+    send_signal(&child, signal);
+    wait_exit(
+        child,
+        reader,
+        &format!("signal {signal} did not stop the server"),
+    )
 }
 
 /// Kills and reaps `child`, then fails the test with `what` and the standard error `reader` collected.
@@ -296,6 +320,49 @@ fn give_up(
     let _ = child.kill();
     let _ = child.wait();
     panic!("{what}: {}", reader.join().unwrap_or_default());
+}
+
+#[cfg(unix)]
+#[test]
+fn a_second_signal_stops_the_server_at_once() {
+    // A request whose body never arrives keeps the graceful stop waiting; the second signal ends the process at
+    // once, with 128 + the signal's number as a shell reports it.
+    use std::io::Write;
+    use std::time::Duration;
+    for (signal, name) in [(libc::SIGTERM, "SIGTERM"), (libc::SIGINT, "Ctrl-C")] {
+        let (mut child, reader, addr) = serve_bundled();
+        let mut held = std::net::TcpStream::connect(&addr).expect("connects");
+        held.write_all(
+            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"prompt\"",
+        )
+        .expect("sends the head");
+        // Let the server read the head, so the request is in flight when the signal comes.
+        std::thread::sleep(Duration::from_millis(300));
+        send_signal(&child, signal);
+        std::thread::sleep(Duration::from_millis(500));
+        if child.try_wait().expect("try_wait").is_some() {
+            let (status, stderr) = wait_exit(child, reader, "");
+            panic!("{name}: the first signal did not wait for the request in flight: {status}: {stderr}");
+        }
+        send_signal(&child, signal);
+        let (status, stderr) = wait_exit(
+            child,
+            reader,
+            &format!("a second {name} did not stop the server"),
+        );
+        assert_eq!(
+            status.code(),
+            Some(128 + signal),
+            "{name}: {status}: {stderr}"
+        );
+        assert!(
+            stderr.contains(&format!(
+                "{name} again: stopping at once; the replies in flight are cut off"
+            )),
+            "{stderr}"
+        );
+        drop(held);
+    }
 }
 
 #[cfg(unix)]

@@ -111,41 +111,80 @@ pub async fn serve(
 }
 
 /// Binds `addr` (127.0.0.1 unless told otherwise) and serves until Ctrl-C or, on Unix, SIGTERM (what systemd and
-/// docker send): then no new connection is taken and it returns once the replies in flight are done.
+/// docker send): then no new connection is taken and it returns once the replies in flight are done. A second Ctrl-C
+/// or SIGTERM while they finish ends the process at once, with status 128 + the signal's number (130 for Ctrl-C, 143
+/// for SIGTERM), as shells report a process killed by it; the replies in flight are cut off.
 ///
 /// # Errors
 /// Installing the signal handlers, binding or serving failed.
 pub async fn serve_addr(addr: SocketAddr, state: AppState) -> std::io::Result<()> {
-    let stop = stop_signal()?;
+    let mut stops = StopSignals::new()?;
     let listener = tokio::net::TcpListener::bind(addr).await?;
-    serve(listener, state, async {
-        let name = stop.await;
-        eprintln!("{name}: no new connections; stopping once the replies in flight are done");
+    serve(listener, state, async move {
+        let name = stops.next().await;
+        eprintln!(
+            "{name}: no new connections; stopping once the replies in flight are done (again to stop at once)"
+        );
+        tokio::spawn(async move {
+            let name = stops.next().await;
+            eprintln!("{name} again: stopping at once; the replies in flight are cut off");
+            std::process::exit(forced_exit_status(name));
+        });
     })
     .await
 }
 
-/// Resolves at the first Ctrl-C (SIGINT) or SIGTERM, with its name; both handlers are in place when it returns.
-#[cfg(unix)]
-fn stop_signal() -> std::io::Result<impl std::future::Future<Output = &'static str>> {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut int = signal(SignalKind::interrupt())?;
-    let mut term = signal(SignalKind::terminate())?;
-    Ok(async move {
-        tokio::select! {
-            _ = int.recv() => "Ctrl-C",
-            _ = term.recv() => "SIGTERM",
-        }
-    })
+/// The exit status of a forced stop by the signal named `name` ([`StopSignals::next`]): 128 + its number.
+fn forced_exit_status(name: &str) -> i32 {
+    if name == "SIGTERM" {
+        128 + 15
+    } else {
+        128 + 2
+    }
 }
 
-/// Resolves at the first Ctrl-C, with its name (there is no SIGTERM here).
-#[cfg(not(unix))]
-fn stop_signal() -> std::io::Result<impl std::future::Future<Output = &'static str>> {
-    Ok(async {
-        let _ = tokio::signal::ctrl_c().await;
-        "Ctrl-C"
-    })
+/// The signals that stop the server: Ctrl-C (SIGINT) and, on Unix, SIGTERM; both handlers are in place once
+/// [`StopSignals::new`] returns, and each [`StopSignals::next`] waits for the next one.
+struct StopSignals {
+    #[cfg(unix)]
+    int: tokio::signal::unix::Signal,
+    #[cfg(unix)]
+    term: tokio::signal::unix::Signal,
+}
+
+impl StopSignals {
+    /// Installs the handlers.
+    ///
+    /// # Errors
+    /// The operating system refused a handler.
+    fn new() -> std::io::Result<Self> {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            Ok(Self {
+                int: signal(SignalKind::interrupt())?,
+                term: signal(SignalKind::terminate())?,
+            })
+        }
+        #[cfg(not(unix))]
+        Ok(Self {})
+    }
+
+    /// Resolves at the next Ctrl-C or SIGTERM, with its name.
+    async fn next(&mut self) -> &'static str {
+        #[cfg(unix)]
+        {
+            tokio::select! {
+                _ = self.int.recv() => "Ctrl-C",
+                _ = self.term.recv() => "SIGTERM",
+            }
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = tokio::signal::ctrl_c().await;
+            "Ctrl-C"
+        }
+    }
 }
 
 fn now() -> u64 {
