@@ -342,10 +342,16 @@ pub fn parse_messages(m: &Map<String, Value>) -> Result<Prompt, ApiError> {
         let o = msg
             .as_object()
             .ok_or_else(|| wrong(&p, "an object with `role` and `content`", msg))?;
-        let role = o
-            .get("role")
-            .and_then(|r| r.as_str())
-            .ok_or_else(|| ApiError::invalid(Some(&p), format!("`{p}.role` must be a string")))?;
+        let role = match o.get("role") {
+            Some(Value::String(r)) => r.as_str(),
+            Some(other) => return Err(wrong(&format!("{p}.role"), "a string", other)),
+            None => {
+                return Err(ApiError::invalid(
+                    Some(&format!("{p}.role")),
+                    format!("`{p}.role` is missing (one of {})", ROLES.join(", ")),
+                ))
+            }
+        };
         if !ROLES.contains(&role) {
             return Err(ApiError::invalid(
                 Some(&format!("{p}.role")),
@@ -368,7 +374,7 @@ pub fn parse_messages(m: &Map<String, Value>) -> Result<Prompt, ApiError> {
                         (Some("text"), Some(t)) => s.push_str(t),
                         _ => {
                             return Err(ApiError::invalid(
-                                Some(&p),
+                                Some(&format!("{p}.content")),
                                 format!("`{p}.content` parts must be {{\"type\": \"text\", \"text\": ...}} (only text is supported), got {part}"),
                             ))
                         }
@@ -623,6 +629,38 @@ mod tests {
         assert!(p(r#"{"messages": "hi"}"#, true).is_err());
         assert!(p(r#"{"messages": [{"role": "user", "content": "hi"}]}"#, true).is_ok());
         assert!(p(r#"{"messages": [{"role": "bot", "content": "hi"}]}"#, true).is_err());
+        // Every message error names the field at fault, as its message does.
+        for (body, param, says) in [
+            (
+                r#"{"messages": [{"content": "hi"}]}"#,
+                "messages[0].role",
+                "is missing",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": "a"}, {"role": 3, "content": "hi"}]}"#,
+                "messages[1].role",
+                "must be a string, got a number: 3",
+            ),
+            (
+                r#"{"messages": [{"role": "bot", "content": "hi"}]}"#,
+                "messages[0].role",
+                "got \"bot\"",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}"#,
+                "messages[0].content",
+                "only text is supported",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": 5}]}"#,
+                "messages[0].content",
+                "must be a string",
+            ),
+        ] {
+            let e = p(body, true).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(param), "{body}: {}", e.message);
+            assert!(e.message.contains(says), "{body}: {}", e.message);
+        }
         // OpenAI's developer role is the templates' system role.
         let g = p(
             r#"{"messages": [{"role": "developer", "content": "be brief"}]}"#,
