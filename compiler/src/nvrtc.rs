@@ -418,6 +418,7 @@ mod tests {
             "router_t8",
             "router_topk_w",
             "experts",
+            "experts_wide",
             "experts_down",
             "experts_down_f4",
             "shared_expert_t1",

@@ -72,6 +72,18 @@ pub(super) fn down_features(rows: u32) -> (&'static str, u32) {
     }
 }
 
+/// The routed gate/up's entry point for a launch of `rows` rows (kernels/moe.cu; both a warp per two pairs of
+/// features of a (row, rank), the same sums): `experts` (two chunks of each weight row in flight, two blocks an SM)
+/// up to 8 rows, `experts_wide` (one chunk, three blocks an SM) from 9 on, where more warps in flight paid (H200:
+/// lone-w16 2256 -> 2242 us, 16 streams 2407 -> 2396 us); up to 8 rows it was not measured.
+pub(super) fn gate_up_entry(rows: u32) -> &'static str {
+    if rows >= 9 {
+        "experts_wide"
+    } else {
+        "experts"
+    }
+}
+
 /// Blocks of `experts_one` a rank takes (`EO_BLOCKS` in kernels/moe.cu).
 pub(super) const EXPERTS_ONE_BLOCKS: u32 = 40;
 /// Largest intermediate size `experts_one` takes (`EO_MAX_INTER`: its shared memory).
@@ -104,8 +116,8 @@ pub(super) fn experts_one_grid(
         .then_some(blocks)
 }
 
-/// The `Experts` node's launches (`node`: its index, for its counters): `experts` (the gate/up, warp per two pairs of
-/// features of a (row, rank)), then `experts_down` or `experts_down_f4` (warp per (one or four output features, row):
+/// The `Experts` node's launches (`node`: its index, for its counters): `experts` or `experts_wide` (the gate/up, warp
+/// per two pairs of features of a (row, rank): [`gate_up_entry`]), then `experts_down` or `experts_down_f4` (warp per (one or four output features, row):
 /// [`down_features`]); or at one row `experts_one` then `experts_combine` ([`experts_one_grid`]). `shared`: 0, or
 /// the side branch's shared-expert gates, its down dots following, for the last launch to add
 /// ([`branch_shared_experts`]).
@@ -174,7 +186,7 @@ pub(super) fn experts_spec(
     }
     let (down, feats) = down_features(rows);
     Ok(
-        LaunchSpec::new("experts", bytes(&p), (grid, 1, 1), 256).then(
+        LaunchSpec::new(gate_up_entry(rows), bytes(&p), (grid, 1, 1), 256).then(
             down,
             (rows * dim.div_ceil(feats)).div_ceil(8),
             256,

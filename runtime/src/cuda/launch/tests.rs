@@ -1236,7 +1236,13 @@ fn experts_grids_have_one_block_per_8_warps_of_items_and_both_down_kernels_run()
                 ones += 1;
                 continue;
             }
-            assert_eq!(s.kernel, "experts");
+            // The gate/up: two chunks in flight up to 8 rows, one (three blocks an SM) from 9 on.
+            assert_eq!(
+                s.kernel,
+                if rows >= 9 { "experts_wide" } else { "experts" },
+                "{}",
+                v.kind.name()
+            );
             if rows == 1 {
                 one_row_old += 1;
             }
