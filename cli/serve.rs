@@ -3,7 +3,7 @@
 use std::net::{IpAddr, SocketAddr};
 
 use anyhow::Context;
-use flashplan_runtime::server::{serve_addr, AppState};
+use flashplan_runtime::server::{serve_addr, AppState, DEFAULT_BODY_DEADLINE};
 use flashplan_runtime::service::Service;
 
 use crate::model::{load, ModelArgs};
@@ -31,6 +31,7 @@ pub fn start(a: &ModelArgs, name: Option<String>) -> anyhow::Result<AppState> {
     Ok(AppState {
         service,
         model_name: name.unwrap_or(m.name),
+        body_deadline: DEFAULT_BODY_DEADLINE,
     })
 }
 

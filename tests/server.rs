@@ -13,6 +13,9 @@ use flashplan_runtime::service::Service;
 use flashplan_runtime::tokenizer::Tokenizer;
 use serde_json::{json, Value};
 
+/// The servers' body deadline here (`AppState::body_deadline`; `flashplan serve` takes 60 s).
+const BODY_DEADLINE: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// One server for every test of this file (address `127.0.0.1:PORT`).
 fn server() -> &'static str {
     static ADDR: OnceLock<String> = OnceLock::new();
@@ -30,6 +33,7 @@ fn server() -> &'static str {
         let state = AppState {
             service: Service::start(engine, tok),
             model_name: "flashnext-tiny".into(),
+            body_deadline: BODY_DEADLINE,
         };
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
@@ -387,6 +391,46 @@ fn wrong_method_and_oversized_body_get_openai_errors() {
     assert_eq!(e["type"], "invalid_request_error");
 }
 
+#[test]
+fn a_body_that_never_arrives_gets_a_408_and_the_others_are_served() {
+    use std::io::{Read, Write};
+    let addr = server();
+    let mut held = std::net::TcpStream::connect(addr).expect("connects");
+    held.write_all(
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"prompt\"",
+    )
+    .expect("sends the head");
+    let t0 = std::time::Instant::now();
+    // Served while that body is awaited.
+    let r = post(
+        "/v1/completions",
+        r#"{"prompt": [1, 2, 3], "max_tokens": 2}"#,
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    held.set_read_timeout(Some(BODY_DEADLINE * 10))
+        .expect("read timeout");
+    let mut reply = String::new();
+    let _ = held.read_to_string(&mut reply);
+    let waited = t0.elapsed();
+    assert!(
+        reply.starts_with("HTTP/1.1 408"),
+        "after {waited:?}: {reply}"
+    );
+    assert!(
+        waited >= BODY_DEADLINE,
+        "answered after {waited:?}: {reply}"
+    );
+    let body = &reply[reply.find("\r\n\r\n").map_or(0, |i| i + 4)..];
+    let e: Value =
+        serde_json::from_str(body).unwrap_or_else(|_| panic!("an OpenAI-style body: {reply}"));
+    assert_eq!(e["error"]["code"], "request_timeout", "{reply}");
+    assert_eq!(e["error"]["type"], "invalid_request_error", "{reply}");
+    assert!(
+        reply.to_ascii_lowercase().contains("connection: close"),
+        "{reply}"
+    );
+}
+
 /// The bundled model's CPU backend, panicking in its replay after `runs` replays (an engine thread's crash).
 struct PanicsAfter {
     inner: flashplan_runtime::cpu::CpuBackend,
@@ -474,6 +518,7 @@ fn a_stream_the_engine_drops_still_ends_with_done() {
     let state = AppState {
         service: panicking_service(),
         model_name: "flashnext-tiny".into(),
+        body_deadline: BODY_DEADLINE,
     };
     let (_rt, addr) = serve_on_a_free_port(state);
     let mut events = Vec::new();
@@ -513,6 +558,7 @@ fn a_full_queue_gets_429_with_retry_after() {
     let state = AppState {
         service: Service::start(engine, tok),
         model_name: "flashnext-tiny".into(),
+        body_deadline: BODY_DEADLINE,
     };
     let (_rt, addr) = serve_on_a_free_port(state);
     for stream in [false, true] {

@@ -9,12 +9,13 @@ pub mod error;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::{DefaultBodyLimit, Request as HttpRequest, State};
 use axum::http::{header, StatusCode};
+use axum::middleware::{from_fn_with_state, Next};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -35,7 +36,14 @@ pub struct AppState {
     pub service: Service,
     /// The model name answered in `/v1/models` and responses.
     pub model_name: String,
+    /// How long a request's body may take to arrive once its head has ([`DEFAULT_BODY_DEADLINE`] in `serve`): past
+    /// it the request gets a 408 and its connection is closed, so a client that never finishes its body cannot hold
+    /// the server (or its graceful stop) for ever.
+    pub body_deadline: Duration,
 }
+
+/// The default [`AppState::body_deadline`]: 60 s, enough for the largest body ([`MAX_BODY_BYTES`]) at about 1 MB/s.
+pub const DEFAULT_BODY_DEADLINE: Duration = Duration::from_secs(60);
 
 /// The router with every endpoint.
 pub fn router(state: AppState) -> Router {
@@ -67,6 +75,7 @@ pub fn router(state: AppState) -> Router {
                 code: Some("method_not_allowed"),
             }
         })
+        .layer(from_fn_with_state(state.body_deadline, body_by_deadline))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
 }
@@ -77,23 +86,81 @@ const MAX_BODY_BYTES: usize = 64 << 20;
 /// A request's body, or the OpenAI-style error for one that could not be read (over [`MAX_BODY_BYTES`]: 413).
 fn read_body(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
     body.map_err(|r| {
-        let too_large = r.status() == StatusCode::PAYLOAD_TOO_LARGE;
-        ApiError {
-            status: r.status(),
-            message: if too_large {
-                format!("the request body is over {} MB", MAX_BODY_BYTES >> 20)
-            } else {
-                format!("the request body could not be read: {}", r.body_text())
-            },
-            kind: "invalid_request_error",
-            param: None,
-            code: Some(if too_large {
-                "request_too_large"
-            } else {
-                "unreadable_body"
-            }),
+        if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            too_large()
+        } else {
+            ApiError {
+                status: r.status(),
+                message: format!("the request body could not be read: {}", r.body_text()),
+                kind: "invalid_request_error",
+                param: None,
+                code: Some("unreadable_body"),
+            }
         }
     })
+}
+
+/// The 413 of a body over [`MAX_BODY_BYTES`].
+fn too_large() -> ApiError {
+    ApiError {
+        status: StatusCode::PAYLOAD_TOO_LARGE,
+        message: format!("the request body is over {} MB", MAX_BODY_BYTES >> 20),
+        kind: "invalid_request_error",
+        param: None,
+        code: Some("request_too_large"),
+    }
+}
+
+/// Middleware: reads the whole body (at most [`MAX_BODY_BYTES`]) within `deadline`, then hands the request on with
+/// it. A body still arriving at the deadline gets a 408 (`request_timeout`) with `Connection: close`; one over the
+/// limit the 413 the handlers give; one that breaks off the 400 `unreadable_body`.
+async fn body_by_deadline(
+    State(deadline): State<Duration>,
+    req: HttpRequest,
+    next: Next,
+) -> Response {
+    use http_body_util::{BodyExt, LengthLimitError, Limited};
+    let (parts, body) = req.into_parts();
+    let read = tokio::time::timeout(deadline, Limited::new(body, MAX_BODY_BYTES).collect()).await;
+    let bytes = match read {
+        Ok(Ok(collected)) => collected.to_bytes(),
+        Ok(Err(e)) if e.downcast_ref::<LengthLimitError>().is_some() => {
+            return too_large().into_response()
+        }
+        Ok(Err(e)) => {
+            return ApiError {
+                status: StatusCode::BAD_REQUEST,
+                message: format!("the request body could not be read: {e}"),
+                kind: "invalid_request_error",
+                param: None,
+                code: Some("unreadable_body"),
+            }
+            .into_response()
+        }
+        Err(_) => {
+            let mut r = ApiError {
+                status: StatusCode::REQUEST_TIMEOUT,
+                message: format!(
+                    "the request body did not arrive within {} s of its head",
+                    deadline.as_secs_f64()
+                ),
+                kind: "invalid_request_error",
+                param: None,
+                code: Some("request_timeout"),
+            }
+            .into_response();
+            r.headers_mut().insert(
+                header::CONNECTION,
+                header::HeaderValue::from_static("close"),
+            );
+            return r;
+        }
+    };
+    next.run(HttpRequest::from_parts(
+        parts,
+        axum::body::Body::from(bytes),
+    ))
+    .await
 }
 
 /// Serves the router on a bound listener until `shutdown` resolves.
