@@ -327,17 +327,26 @@ fn give_up(
 fn a_second_signal_stops_the_server_at_once() {
     // A request whose body never arrives keeps the graceful stop waiting; the second signal ends the process at
     // once, with 128 + the signal's number as a shell reports it.
-    use std::io::Write;
+    use std::io::{Read, Write};
     use std::time::Duration;
     for (signal, name) in [(libc::SIGTERM, "SIGTERM"), (libc::SIGINT, "Ctrl-C")] {
         let (mut child, reader, addr) = serve_bundled();
         let mut held = std::net::TcpStream::connect(&addr).expect("connects");
         held.write_all(
-            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"prompt\"",
+            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\nexpect: 100-continue\r\ncontent-length: 100\r\n\r\n",
         )
         .expect("sends the head");
-        // Let the server read the head, so the request is in flight when the signal comes.
-        std::thread::sleep(Duration::from_millis(300));
+        // The server answers `100 Continue` once it starts reading the body: the request is then in flight.
+        held.set_read_timeout(Some(Duration::from_secs(30)))
+            .expect("read timeout");
+        let mut got = [0u8; 25];
+        if held.read_exact(&mut got).is_err() || !got.starts_with(b"HTTP/1.1 100 Continue") {
+            give_up(
+                &mut child,
+                reader,
+                &format!("no 100 Continue: {:?}", String::from_utf8_lossy(&got)),
+            );
+        }
         send_signal(&child, signal);
         std::thread::sleep(Duration::from_millis(500));
         if child.try_wait().expect("try_wait").is_some() {

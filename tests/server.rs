@@ -13,25 +13,31 @@ use flashplan_runtime::service::Service;
 use flashplan_runtime::tokenizer::Tokenizer;
 use serde_json::{json, Value};
 
-/// The servers' body deadline here (`AppState::body_deadline`; `flashplan serve` takes 60 s).
-const BODY_DEADLINE: std::time::Duration = std::time::Duration::from_secs(2);
+/// The shared server's body deadline (`AppState::body_deadline`; `flashplan serve` takes 60 s): long enough for the
+/// 64 MB body of the 413 test on a slow machine.
+const BODY_DEADLINE: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// The bundled tiny model's engine service on the CPU backend.
+fn tiny_service() -> Service {
+    let dir = root().join("models/flashnext-tiny");
+    let body = plan_for(&dir, &[1, 2, 4], 8, 32, 512);
+    let be = backend(&dir, body);
+    let opts = EngineOptions {
+        max_depth: 8,
+        parallel: 4,
+        ..Default::default()
+    };
+    let engine = Engine::new(be, opts, true);
+    let tok = Arc::new(Tokenizer::from_dir(&dir).expect("tokenizer"));
+    Service::start(engine, tok)
+}
 
 /// One server for every test of this file (address `127.0.0.1:PORT`).
 fn server() -> &'static str {
     static ADDR: OnceLock<String> = OnceLock::new();
     ADDR.get_or_init(|| {
-        let dir = root().join("models/flashnext-tiny");
-        let body = plan_for(&dir, &[1, 2, 4], 8, 32, 512);
-        let be = backend(&dir, body);
-        let opts = EngineOptions {
-            max_depth: 8,
-            parallel: 4,
-            ..Default::default()
-        };
-        let engine = Engine::new(be, opts, true);
-        let tok = Arc::new(Tokenizer::from_dir(&dir).expect("tokenizer"));
         let state = AppState {
-            service: Service::start(engine, tok),
+            service: tiny_service(),
             model_name: "flashnext-tiny".into(),
             body_deadline: BODY_DEADLINE,
         };
@@ -394,20 +400,29 @@ fn wrong_method_and_oversized_body_get_openai_errors() {
 #[test]
 fn a_body_that_never_arrives_gets_a_408_and_the_others_are_served() {
     use std::io::{Read, Write};
-    let addr = server();
-    let mut held = std::net::TcpStream::connect(addr).expect("connects");
+    // A server of its own, with a short deadline.
+    let deadline = std::time::Duration::from_secs(2);
+    let (_rt, addr) = serve_on_a_free_port(AppState {
+        service: tiny_service(),
+        model_name: "flashnext-tiny".into(),
+        body_deadline: deadline,
+    });
+    let t0 = std::time::Instant::now();
+    let mut held = std::net::TcpStream::connect(&addr).expect("connects");
     held.write_all(
         b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"prompt\"",
     )
     .expect("sends the head");
-    let t0 = std::time::Instant::now();
     // Served while that body is awaited.
-    let r = post(
+    let r = client::request(
+        &addr,
+        "POST",
         "/v1/completions",
-        r#"{"prompt": [1, 2, 3], "max_tokens": 2}"#,
-    );
+        Some(r#"{"prompt": [1, 2, 3], "max_tokens": 2}"#),
+    )
+    .expect("request");
     assert_eq!(r.status, 200, "{}", r.body);
-    held.set_read_timeout(Some(BODY_DEADLINE * 10))
+    held.set_read_timeout(Some(deadline * 10))
         .expect("read timeout");
     let mut reply = String::new();
     let _ = held.read_to_string(&mut reply);
@@ -416,10 +431,7 @@ fn a_body_that_never_arrives_gets_a_408_and_the_others_are_served() {
         reply.starts_with("HTTP/1.1 408"),
         "after {waited:?}: {reply}"
     );
-    assert!(
-        waited >= BODY_DEADLINE,
-        "answered after {waited:?}: {reply}"
-    );
+    assert!(waited >= deadline, "answered after {waited:?}: {reply}");
     let body = &reply[reply.find("\r\n\r\n").map_or(0, |i| i + 4)..];
     let e: Value =
         serde_json::from_str(body).unwrap_or_else(|_| panic!("an OpenAI-style body: {reply}"));

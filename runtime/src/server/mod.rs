@@ -38,11 +38,11 @@ pub struct AppState {
     pub model_name: String,
     /// How long a request's body may take to arrive once its head has ([`DEFAULT_BODY_DEADLINE`] in `serve`): past
     /// it the request gets a 408 and its connection is closed, so a client that never finishes its body cannot hold
-    /// the server (or its graceful stop) for ever.
+    /// the server (or its graceful stop) for ever. (The head itself has no deadline here.)
     pub body_deadline: Duration,
 }
 
-/// The default [`AppState::body_deadline`]: 60 s, enough for the largest body ([`MAX_BODY_BYTES`]) at about 1 MB/s.
+/// The default [`AppState::body_deadline`]: 60 s, enough for the largest body ([`MAX_BODY_BYTES`]) at 1.2 MB/s.
 pub const DEFAULT_BODY_DEADLINE: Duration = Duration::from_secs(60);
 
 /// The router with every endpoint.
@@ -210,8 +210,9 @@ fn forced_exit_status(name: &str) -> i32 {
     }
 }
 
-/// The signals that stop the server: Ctrl-C (SIGINT) and, on Unix, SIGTERM; both handlers are in place once
-/// [`StopSignals::new`] returns, and each [`StopSignals::next`] waits for the next one.
+/// The signals that stop the server: Ctrl-C (SIGINT) and, on Unix, SIGTERM; each [`StopSignals::next`] waits for
+/// the next one. On Unix both handlers are in place once [`StopSignals::new`] returns; elsewhere Ctrl-C's is
+/// installed when `next` is first awaited.
 struct StopSignals {
     #[cfg(unix)]
     int: tokio::signal::unix::Signal,

@@ -1744,3 +1744,12 @@ fn what_a_kernel_reads_before_its_wait_is_not_written_by_the_kernel_before_it() 
         }
     }
 }
+
+#[test]
+fn the_routed_gate_up_takes_experts_wide_from_nine_rows_on() {
+    // The fixtures' plans stop at 8 rows, so the launch-shape tests above never reach the wide form.
+    for rows in 1..=16 {
+        let want = if rows >= 9 { "experts_wide" } else { "experts" };
+        assert_eq!(gate_up_entry(rows), want, "{rows} rows");
+    }
+}
