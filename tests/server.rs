@@ -34,33 +34,16 @@ fn tiny_service() -> Service {
 
 /// One server for every test of this file (address `127.0.0.1:PORT`).
 fn server() -> &'static str {
-    static ADDR: OnceLock<String> = OnceLock::new();
-    ADDR.get_or_init(|| {
-        let state = AppState {
-            service: tiny_service(),
-            model_name: "flashnext-tiny".into(),
-            body_deadline: BODY_DEADLINE,
-        };
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .enable_all()
-                .build()
-                .expect("runtime");
-            rt.block_on(async move {
-                let l = tokio::net::TcpListener::bind("127.0.0.1:0")
-                    .await
-                    .expect("bind");
-                tx.send(l.local_addr().expect("addr").to_string())
-                    .expect("send");
-                serve(l, state, std::future::pending())
-                    .await
-                    .expect("serve");
-            });
-        });
-        rx.recv().expect("server address")
-    })
+    static SERVER: OnceLock<(tokio::runtime::Runtime, String)> = OnceLock::new();
+    &SERVER
+        .get_or_init(|| {
+            serve_on_a_free_port(AppState {
+                service: tiny_service(),
+                model_name: "flashnext-tiny".into(),
+                body_deadline: BODY_DEADLINE,
+            })
+        })
+        .1
 }
 
 /// A server of `state` on a free local port, run by its own runtime (returned: the server stops when it drops), and

@@ -89,15 +89,20 @@ fn read_body(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
         if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
             too_large()
         } else {
-            ApiError {
-                status: r.status(),
-                message: format!("the request body could not be read: {}", r.body_text()),
-                kind: "invalid_request_error",
-                param: None,
-                code: Some("unreadable_body"),
-            }
+            unreadable_body(r.status(), r.body_text())
         }
     })
+}
+
+/// The error of a body that broke off or could not be decoded (`status`: 400 unless the rejection says otherwise).
+fn unreadable_body(status: StatusCode, why: impl std::fmt::Display) -> ApiError {
+    ApiError {
+        status,
+        message: format!("the request body could not be read: {why}"),
+        kind: "invalid_request_error",
+        param: None,
+        code: Some("unreadable_body"),
+    }
 }
 
 /// The 413 of a body over [`MAX_BODY_BYTES`].
@@ -127,16 +132,7 @@ async fn body_by_deadline(
         Ok(Err(e)) if e.downcast_ref::<LengthLimitError>().is_some() => {
             return too_large().into_response()
         }
-        Ok(Err(e)) => {
-            return ApiError {
-                status: StatusCode::BAD_REQUEST,
-                message: format!("the request body could not be read: {e}"),
-                kind: "invalid_request_error",
-                param: None,
-                code: Some("unreadable_body"),
-            }
-            .into_response()
-        }
+        Ok(Err(e)) => return unreadable_body(StatusCode::BAD_REQUEST, e).into_response(),
         Err(_) => {
             let mut r = ApiError {
                 status: StatusCode::REQUEST_TIMEOUT,
@@ -188,26 +184,17 @@ pub async fn serve_addr(addr: SocketAddr, state: AppState) -> std::io::Result<()
     let mut stops = StopSignals::new()?;
     let listener = tokio::net::TcpListener::bind(addr).await?;
     serve(listener, state, async move {
-        let name = stops.next().await;
+        let (name, _) = stops.next().await;
         eprintln!(
             "{name}: no new connections; stopping once the replies in flight are done (again to stop at once)"
         );
         tokio::spawn(async move {
-            let name = stops.next().await;
+            let (name, number) = stops.next().await;
             eprintln!("{name} again: stopping at once; the replies in flight are cut off");
-            std::process::exit(forced_exit_status(name));
+            std::process::exit(128 + number);
         });
     })
     .await
-}
-
-/// The exit status of a forced stop by the signal named `name` ([`StopSignals::next`]): 128 + its number.
-fn forced_exit_status(name: &str) -> i32 {
-    if name == "SIGTERM" {
-        128 + 15
-    } else {
-        128 + 2
-    }
 }
 
 /// The signals that stop the server: Ctrl-C (SIGINT) and, on Unix, SIGTERM; each [`StopSignals::next`] waits for
@@ -238,19 +225,19 @@ impl StopSignals {
         Ok(Self {})
     }
 
-    /// Resolves at the next Ctrl-C or SIGTERM, with its name.
-    async fn next(&mut self) -> &'static str {
+    /// Resolves at the next Ctrl-C or SIGTERM, with its name and number (SIGINT 2, SIGTERM 15).
+    async fn next(&mut self) -> (&'static str, i32) {
         #[cfg(unix)]
         {
             tokio::select! {
-                _ = self.int.recv() => "Ctrl-C",
-                _ = self.term.recv() => "SIGTERM",
+                _ = self.int.recv() => ("Ctrl-C", 2),
+                _ = self.term.recv() => ("SIGTERM", 15),
             }
         }
         #[cfg(not(unix))]
         {
             let _ = tokio::signal::ctrl_c().await;
-            "Ctrl-C"
+            ("Ctrl-C", 2)
         }
     }
 }
