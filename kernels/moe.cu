@@ -399,10 +399,11 @@ DEV void experts_gate_up(const FpExperts& p) {
 // 1630.4 -> 1624.2 / 1620.5 us, 16 streams 2601.8 / 2598.3 -> 2595.1 / 2590.2 us (docs/benchmarks.md, twentieth
 // session).
 extern "C" __global__ void experts(const FpExperts p) { pdl_start(); experts_gate_up<2, 2, true>(p); }
-// From 9 rows on (runtime/src/cuda/launch/moe.rs `gate_up_entry`): one chunk of each weight row in flight, in 80
+// From 5 rows on (runtime/src/cuda/launch/moe.rs `gate_up_entry`): one chunk of each weight row in flight, in 80
 // registers, so three blocks fit an SM instead of two: more warps with their loads in flight over the many (row,
 // rank) items. The same sums. H200, 2026-12-02, two A/B passes: lone-w16 2254.6 / 2257.3 -> 2241.0 / 2243.9 us,
-// 16 streams 2402.6 / 2410.4 -> 2396.4 / 2396.5 us (docs/benchmarks.md, twenty-eighth session).
+// 16 streams 2402.6 / 2410.4 -> 2396.4 / 2396.5 us (docs/benchmarks.md, twenty-eighth session); 2026-12-03, from
+// 5 rows: lone-w5 1320 -> 1306 us, lone-w8 1590 -> 1575 us (thirtieth session).
 extern "C" __global__ void __launch_bounds__(256, 3) experts_wide(const FpExperts p) {
     pdl_start();
     experts_gate_up<2, 1, true>(p);

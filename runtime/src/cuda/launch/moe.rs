@@ -74,10 +74,12 @@ pub(super) fn down_features(rows: u32) -> (&'static str, u32) {
 
 /// The routed gate/up's entry point for a launch of `rows` rows (kernels/moe.cu; both a warp per two pairs of
 /// features of a (row, rank), the same sums): `experts` (two chunks of each weight row in flight, two blocks an SM)
-/// up to 8 rows, `experts_wide` (one chunk, three blocks an SM) from 9 on, where more warps in flight paid (H200:
-/// lone-w16 2256 -> 2242 us, 16 streams 2407 -> 2396 us); up to 8 rows it was not measured.
+/// up to 4 rows, `experts_wide` (one chunk, three blocks an SM) from 5 on, where more warps in flight paid (H200,
+/// A/B passes of 2026-12-03 against `experts`: lone-w5 1320 -> 1306 us, w6 1418 -> 1409, w7 1503 -> 1490, w8 1590
+/// -> 1575, 8 streams 1698 -> 1685; twenty-eighth session: lone-w16 2256 -> 2242 us, 16 streams 2407 -> 2396 us).
+/// At 4 rows and fewer `experts` stayed faster (lone-w4 1192 against 1196-1200 us, lone-w2 968 against 978).
 pub(super) fn gate_up_entry(rows: u32) -> &'static str {
-    if rows >= 9 {
+    if rows >= 5 {
         "experts_wide"
     } else {
         "experts"
