@@ -370,14 +370,40 @@ fn wrong_method_and_oversized_body_get_openai_errors() {
     let r = client::request(server(), "GET", "/v1/completions", None).unwrap();
     assert_eq!(r.status, 405, "{}", r.body);
     assert_eq!(r.json()["error"]["code"], "method_not_allowed");
-    // Over the 64 MB limit: a 413 with an OpenAI-style body, not axum's plain text.
-    // A few KB over, so that the server has read nearly all of it when it answers (no reset while the client writes).
-    let big = format!("{{\"prompt\": \"{}\"}}", "a".repeat((64 << 20) + 4096));
-    let r = post("/v1/completions", &big);
-    assert_eq!(r.status, 413);
-    let e = &r.json()["error"];
-    assert_eq!(e["code"], "request_too_large");
-    assert_eq!(e["type"], "invalid_request_error");
+    // Over the 64 MB limit in a chunked body (no Content-Length to refuse it by: the body is read up to the limit):
+    // a 413 with an OpenAI-style body, not axum's plain text. A few KB over, so that the server has read nearly all
+    // of it when it answers (no reset while the client writes).
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(server()).expect("connects");
+    s.write_all(
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n",
+    )
+    .expect("sends the head");
+    let chunk = vec![b'a'; 1 << 20];
+    let mut chunked = Vec::new();
+    for _ in 0..64 {
+        chunked.extend_from_slice(format!("{:x}\r\n", chunk.len()).as_bytes());
+        chunked.extend_from_slice(&chunk);
+        chunked.extend_from_slice(b"\r\n");
+    }
+    chunked.extend_from_slice(b"1000\r\n");
+    chunked.extend_from_slice(&chunk[..4096]);
+    chunked.extend_from_slice(b"\r\n0\r\n\r\n");
+    s.write_all(&chunked).expect("sends the body");
+    s.set_read_timeout(Some(std::time::Duration::from_secs(60)))
+        .expect("read timeout");
+    let mut reply = String::new();
+    let _ = s.read_to_string(&mut reply);
+    assert!(reply.starts_with("HTTP/1.1 413"), "{reply}");
+    let body = &reply[reply.find("\r\n\r\n").map_or(0, |i| i + 4)..];
+    let e: Value =
+        serde_json::from_str(body).unwrap_or_else(|_| panic!("an OpenAI-style body: {reply}"));
+    assert_eq!(e["error"]["code"], "request_too_large", "{reply}");
+    assert_eq!(e["error"]["type"], "invalid_request_error", "{reply}");
+    assert!(
+        reply.to_ascii_lowercase().contains("connection: close"),
+        "{reply}"
+    );
 }
 
 #[test]
@@ -419,6 +445,37 @@ fn a_body_that_never_arrives_gets_a_408_and_the_others_are_served() {
     let e: Value =
         serde_json::from_str(body).unwrap_or_else(|_| panic!("an OpenAI-style body: {reply}"));
     assert_eq!(e["error"]["code"], "request_timeout", "{reply}");
+    assert_eq!(e["error"]["type"], "invalid_request_error", "{reply}");
+    assert!(
+        reply.to_ascii_lowercase().contains("connection: close"),
+        "{reply}"
+    );
+}
+
+#[test]
+fn a_body_announced_over_the_limit_gets_a_413_before_it_is_sent() {
+    use std::io::{Read, Write};
+    // A server of its own, whose body deadline is far beyond the test's wait: only the head decides the reply.
+    let (_rt, addr) = serve_on_a_free_port(AppState {
+        service: tiny_service(),
+        model_name: "flashnext-tiny".into(),
+        body_deadline: std::time::Duration::from_secs(600),
+    });
+    let mut s = std::net::TcpStream::connect(&addr).expect("connects");
+    // A head announcing 100 MB, then none of the body.
+    s.write_all(
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 104857600\r\n\r\n",
+    )
+    .expect("sends the head");
+    s.set_read_timeout(Some(std::time::Duration::from_secs(30)))
+        .expect("read timeout");
+    let mut reply = String::new();
+    let _ = s.read_to_string(&mut reply);
+    assert!(reply.starts_with("HTTP/1.1 413"), "{reply}");
+    let body = &reply[reply.find("\r\n\r\n").map_or(0, |i| i + 4)..];
+    let e: Value =
+        serde_json::from_str(body).unwrap_or_else(|_| panic!("an OpenAI-style body: {reply}"));
+    assert_eq!(e["error"]["code"], "request_too_large", "{reply}");
     assert_eq!(e["error"]["type"], "invalid_request_error", "{reply}");
     assert!(
         reply.to_ascii_lowercase().contains("connection: close"),

@@ -116,40 +116,61 @@ fn too_large() -> ApiError {
     }
 }
 
+/// `r` with `Connection: close`: the answer of a request whose body was not read to its end, after which the
+/// connection cannot carry another request.
+fn closing(mut r: Response) -> Response {
+    r.headers_mut().insert(
+        header::CONNECTION,
+        header::HeaderValue::from_static("close"),
+    );
+    r
+}
+
+/// Whether a request's head announces a body over [`MAX_BODY_BYTES`] (`Content-Length`), so that it can be refused
+/// before a byte of the body is read.
+fn announces_too_large(req: &HttpRequest) -> bool {
+    req.headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .is_some_and(|n| n > MAX_BODY_BYTES as u64)
+}
+
 /// Middleware: reads the whole body (at most [`MAX_BODY_BYTES`]) within `deadline`, then hands the request on with
 /// it. A body still arriving at the deadline gets a 408 (`request_timeout`) with `Connection: close`; one over the
-/// limit the 413 the handlers give; one that breaks off the 400 `unreadable_body`.
+/// limit the 413 the handlers give, with `Connection: close` (at once when its `Content-Length` says so: nothing of
+/// it is read); one that breaks off the 400 `unreadable_body`.
 async fn body_by_deadline(
     State(deadline): State<Duration>,
     req: HttpRequest,
     next: Next,
 ) -> Response {
     use http_body_util::{BodyExt, LengthLimitError, Limited};
+    if announces_too_large(&req) {
+        return closing(too_large().into_response());
+    }
     let (parts, body) = req.into_parts();
     let read = tokio::time::timeout(deadline, Limited::new(body, MAX_BODY_BYTES).collect()).await;
     let bytes = match read {
         Ok(Ok(collected)) => collected.to_bytes(),
         Ok(Err(e)) if e.downcast_ref::<LengthLimitError>().is_some() => {
-            return too_large().into_response()
+            return closing(too_large().into_response())
         }
         Ok(Err(e)) => return unreadable_body(StatusCode::BAD_REQUEST, e).into_response(),
         Err(_) => {
-            let mut r = ApiError {
-                status: StatusCode::REQUEST_TIMEOUT,
-                message: format!(
-                    "the request body did not arrive within {} s of its head",
-                    deadline.as_secs_f64()
-                ),
-                kind: "invalid_request_error",
-                param: None,
-                code: Some("request_timeout"),
-            }
-            .into_response();
-            r.headers_mut().insert(
-                header::CONNECTION,
-                header::HeaderValue::from_static("close"),
+            return closing(
+                ApiError {
+                    status: StatusCode::REQUEST_TIMEOUT,
+                    message: format!(
+                        "the request body did not arrive within {} s of its head",
+                        deadline.as_secs_f64()
+                    ),
+                    kind: "invalid_request_error",
+                    param: None,
+                    code: Some("request_timeout"),
+                }
+                .into_response(),
             );
-            return r;
         }
     };
     next.run(HttpRequest::from_parts(
