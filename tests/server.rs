@@ -373,7 +373,7 @@ fn wrong_method_and_oversized_body_get_openai_errors() {
     // Over the 64 MB limit in a chunked body (no Content-Length to refuse it by: the body is read up to the limit):
     // a 413 with an OpenAI-style body, not axum's plain text. A few KB over, so that the server has read nearly all
     // of it when it answers (no reset while the client writes).
-    use std::io::{Read, Write};
+    use std::io::Write;
     let mut s = std::net::TcpStream::connect(server()).expect("connects");
     s.write_all(
         b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n",
@@ -390,25 +390,17 @@ fn wrong_method_and_oversized_body_get_openai_errors() {
     chunked.extend_from_slice(&chunk[..4096]);
     chunked.extend_from_slice(b"\r\n0\r\n\r\n");
     s.write_all(&chunked).expect("sends the body");
-    s.set_read_timeout(Some(std::time::Duration::from_secs(60)))
-        .expect("read timeout");
-    let mut reply = String::new();
-    let _ = s.read_to_string(&mut reply);
-    assert!(reply.starts_with("HTTP/1.1 413"), "{reply}");
-    let body = &reply[reply.find("\r\n\r\n").map_or(0, |i| i + 4)..];
-    let e: Value =
-        serde_json::from_str(body).unwrap_or_else(|_| panic!("an OpenAI-style body: {reply}"));
-    assert_eq!(e["error"]["code"], "request_too_large", "{reply}");
-    assert_eq!(e["error"]["type"], "invalid_request_error", "{reply}");
-    assert!(
-        reply.to_ascii_lowercase().contains("connection: close"),
-        "{reply}"
+    closing_error_reply(
+        &mut s,
+        std::time::Duration::from_secs(60),
+        413,
+        "request_too_large",
     );
 }
 
 #[test]
 fn a_body_that_never_arrives_gets_a_408_and_the_others_are_served() {
-    use std::io::{Read, Write};
+    use std::io::Write;
     // A server of its own, with a short deadline.
     let deadline = std::time::Duration::from_secs(2);
     let (_rt, addr) = serve_on_a_free_port(AppState {
@@ -431,30 +423,39 @@ fn a_body_that_never_arrives_gets_a_408_and_the_others_are_served() {
     )
     .expect("request");
     assert_eq!(r.status, 200, "{}", r.body);
-    held.set_read_timeout(Some(deadline * 10))
-        .expect("read timeout");
-    let mut reply = String::new();
-    let _ = held.read_to_string(&mut reply);
+    let reply = closing_error_reply(&mut held, deadline * 10, 408, "request_timeout");
     let waited = t0.elapsed();
-    assert!(
-        reply.starts_with("HTTP/1.1 408"),
-        "after {waited:?}: {reply}"
-    );
     assert!(waited >= deadline, "answered after {waited:?}: {reply}");
+}
+
+/// Reads a raw connection's reply until the server closes it (waiting at most `wait`) and checks that it is an
+/// OpenAI-style error of `status` and `code` with `Connection: close`; returns the reply.
+fn closing_error_reply(
+    s: &mut std::net::TcpStream,
+    wait: std::time::Duration,
+    status: u16,
+    code: &str,
+) -> String {
+    use std::io::Read;
+    s.set_read_timeout(Some(wait)).expect("read timeout");
+    let mut reply = String::new();
+    let _ = s.read_to_string(&mut reply);
+    assert!(reply.starts_with(&format!("HTTP/1.1 {status}")), "{reply}");
     let body = &reply[reply.find("\r\n\r\n").map_or(0, |i| i + 4)..];
     let e: Value =
         serde_json::from_str(body).unwrap_or_else(|_| panic!("an OpenAI-style body: {reply}"));
-    assert_eq!(e["error"]["code"], "request_timeout", "{reply}");
+    assert_eq!(e["error"]["code"], code, "{reply}");
     assert_eq!(e["error"]["type"], "invalid_request_error", "{reply}");
     assert!(
         reply.to_ascii_lowercase().contains("connection: close"),
         "{reply}"
     );
+    reply
 }
 
 #[test]
 fn a_body_announced_over_the_limit_gets_a_413_before_it_is_sent() {
-    use std::io::{Read, Write};
+    use std::io::Write;
     // A server of its own, whose body deadline is far beyond the test's wait: only the head decides the reply.
     let (_rt, addr) = serve_on_a_free_port(AppState {
         service: tiny_service(),
@@ -467,19 +468,11 @@ fn a_body_announced_over_the_limit_gets_a_413_before_it_is_sent() {
         b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 104857600\r\n\r\n",
     )
     .expect("sends the head");
-    s.set_read_timeout(Some(std::time::Duration::from_secs(30)))
-        .expect("read timeout");
-    let mut reply = String::new();
-    let _ = s.read_to_string(&mut reply);
-    assert!(reply.starts_with("HTTP/1.1 413"), "{reply}");
-    let body = &reply[reply.find("\r\n\r\n").map_or(0, |i| i + 4)..];
-    let e: Value =
-        serde_json::from_str(body).unwrap_or_else(|_| panic!("an OpenAI-style body: {reply}"));
-    assert_eq!(e["error"]["code"], "request_too_large", "{reply}");
-    assert_eq!(e["error"]["type"], "invalid_request_error", "{reply}");
-    assert!(
-        reply.to_ascii_lowercase().contains("connection: close"),
-        "{reply}"
+    closing_error_reply(
+        &mut s,
+        std::time::Duration::from_secs(30),
+        413,
+        "request_too_large",
     );
 }
 
