@@ -126,16 +126,6 @@ fn closing(mut r: Response) -> Response {
     r
 }
 
-/// Whether a request's head announces a body over [`MAX_BODY_BYTES`] (`Content-Length`), so that it can be refused
-/// before a byte of the body is read.
-fn announces_too_large(req: &HttpRequest) -> bool {
-    req.headers()
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse::<u64>().ok())
-        .is_some_and(|n| n > MAX_BODY_BYTES as u64)
-}
-
 /// Middleware: reads the whole body (at most [`MAX_BODY_BYTES`]) within `deadline`, then hands the request on with
 /// it. A body still arriving at the deadline gets a 408 (`request_timeout`) with `Connection: close`; one over the
 /// limit the 413 the handlers give, with `Connection: close` (at once when its `Content-Length` says so: nothing of
@@ -145,8 +135,11 @@ async fn body_by_deadline(
     req: HttpRequest,
     next: Next,
 ) -> Response {
+    use axum::body::HttpBody as _;
     use http_body_util::{BodyExt, LengthLimitError, Limited};
-    if announces_too_large(&req) {
+    // The body's least size is its `Content-Length` (as hyper parsed it): one over the limit is refused before a
+    // byte of it is read.
+    if req.body().size_hint().lower() > MAX_BODY_BYTES as u64 {
         return closing(too_large().into_response());
     }
     let (parts, body) = req.into_parts();
