@@ -3,7 +3,9 @@
 use std::net::{IpAddr, SocketAddr};
 
 use anyhow::Context;
-use flashplan_runtime::server::{serve_addr, AppState, DEFAULT_BODY_DEADLINE};
+use flashplan_runtime::server::{
+    serve_addr, AppState, DEFAULT_BODY_DEADLINE, DEFAULT_HEAD_DEADLINE,
+};
 use flashplan_runtime::service::Service;
 
 use crate::model::{load, ModelArgs};
@@ -32,6 +34,7 @@ pub fn start(a: &ModelArgs, name: Option<String>) -> anyhow::Result<AppState> {
         service,
         model_name: name.unwrap_or(m.name),
         body_deadline: DEFAULT_BODY_DEADLINE,
+        head_deadline: DEFAULT_HEAD_DEADLINE,
     })
 }
 

@@ -8,7 +8,7 @@ use std::sync::{Arc, OnceLock};
 
 use common::*;
 use flashplan_runtime::engine::{Engine, EngineOptions};
-use flashplan_runtime::server::{client, serve, AppState};
+use flashplan_runtime::server::{client, serve, AppState, DEFAULT_HEAD_DEADLINE};
 use flashplan_runtime::service::Service;
 use flashplan_runtime::tokenizer::Tokenizer;
 use serde_json::{json, Value};
@@ -41,6 +41,7 @@ fn server() -> &'static str {
                 service: tiny_service(),
                 model_name: "flashnext-tiny".into(),
                 body_deadline: BODY_DEADLINE,
+                head_deadline: DEFAULT_HEAD_DEADLINE,
             })
         })
         .1
@@ -407,6 +408,7 @@ fn a_body_that_never_arrives_gets_a_408_and_the_others_are_served() {
         service: tiny_service(),
         model_name: "flashnext-tiny".into(),
         body_deadline: deadline,
+        head_deadline: DEFAULT_HEAD_DEADLINE,
     });
     let t0 = std::time::Instant::now();
     let mut held = std::net::TcpStream::connect(&addr).expect("connects");
@@ -461,6 +463,7 @@ fn a_body_announced_over_the_limit_gets_a_413_before_it_is_sent() {
         service: tiny_service(),
         model_name: "flashnext-tiny".into(),
         body_deadline: std::time::Duration::from_secs(600),
+        head_deadline: DEFAULT_HEAD_DEADLINE,
     });
     let mut s = std::net::TcpStream::connect(&addr).expect("connects");
     // A head announcing 100 MB, then none of the body.
@@ -474,6 +477,279 @@ fn a_body_announced_over_the_limit_gets_a_413_before_it_is_sent() {
         413,
         "request_too_large",
     );
+}
+
+/// A server of its own whose head deadline is `head_deadline` (its body deadline is the shared server's, far
+/// longer: only the head's can end what these tests wait for).
+fn serve_with_head_deadline(
+    head_deadline: std::time::Duration,
+) -> (tokio::runtime::Runtime, String) {
+    serve_on_a_free_port(AppState {
+        service: tiny_service(),
+        model_name: "flashnext-tiny".into(),
+        body_deadline: BODY_DEADLINE,
+        head_deadline,
+    })
+}
+
+/// Whether a read or write error says that the peer closed the connection (a write after its FIN draws a reset).
+fn closed_by_peer(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind;
+    matches!(
+        e.kind(),
+        ErrorKind::ConnectionReset | ErrorKind::BrokenPipe | ErrorKind::ConnectionAborted
+    )
+}
+
+#[test]
+fn a_head_that_never_ends_is_closed_at_the_head_deadline_and_the_others_are_served() {
+    use std::io::{Read, Write};
+    let deadline = std::time::Duration::from_secs(1);
+    let (_rt, addr) = serve_with_head_deadline(deadline);
+    let t0 = std::time::Instant::now();
+    let mut held = std::net::TcpStream::connect(&addr).expect("connects");
+    // A request line and one header, and then nothing: the head never ends.
+    held.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        .expect("sends part of the head");
+    // A whole request on a fresh connection is served meanwhile, under the same short deadline.
+    let r = client::request(
+        &addr,
+        "POST",
+        "/v1/completions",
+        Some(r#"{"prompt": [1, 2, 3], "max_tokens": 2}"#),
+    )
+    .expect("request");
+    assert_eq!(r.status, 200, "{}", r.body);
+    // hyper writes nothing at the deadline and closes the connection: end of file. (Without the deadline the
+    // connection stays open and this read runs into its timeout, 10 deadlines, far below the body deadline.)
+    let wait = deadline * 10;
+    held.set_read_timeout(Some(wait)).expect("read timeout");
+    let mut got = Vec::new();
+    let read = held.read_to_end(&mut got);
+    let waited = t0.elapsed();
+    assert!(
+        read.is_ok(),
+        "not closed within {wait:?} of a head that never ends: {read:?}, got {:?}",
+        String::from_utf8_lossy(&got)
+    );
+    assert!(
+        got.is_empty(),
+        "the server answered a head it never got whole: {:?}",
+        String::from_utf8_lossy(&got)
+    );
+    assert!(
+        waited >= deadline,
+        "closed after {waited:?}, before the deadline"
+    );
+    eprintln!("a head that never ends: closed {waited:?} after connecting");
+}
+
+#[test]
+fn a_head_trickled_in_is_cut_off_at_the_deadline_its_bytes_do_not_extend_it() {
+    use std::io::{Read, Write};
+    let deadline = std::time::Duration::from_secs(1);
+    let (_rt, addr) = serve_with_head_deadline(deadline);
+    let t0 = std::time::Instant::now();
+    let mut s = std::net::TcpStream::connect(&addr).expect("connects");
+    s.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        .expect("sends part of the head");
+    s.set_read_timeout(Some(std::time::Duration::from_millis(100)))
+        .expect("read timeout");
+    // One more byte of a header value every 100 ms (a slowloris client): the connection is never idle for long,
+    // yet it is closed once the head has taken the deadline.
+    let mut buf = [0u8; 256];
+    loop {
+        let waited = t0.elapsed();
+        assert!(
+            waited < deadline * 10,
+            "a head still trickling in after {waited:?} is not cut off"
+        );
+        if let Err(e) = s.write_all(b"a") {
+            assert!(closed_by_peer(&e), "{e}");
+            break;
+        }
+        match s.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => panic!(
+                "the server answered a head it never got whole: {:?}",
+                String::from_utf8_lossy(&buf[..n])
+            ),
+            Err(e) if closed_by_peer(&e) => break,
+            Err(e) => assert!(
+                matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ),
+                "{e}"
+            ),
+        }
+    }
+    let waited = t0.elapsed();
+    assert!(
+        waited >= deadline,
+        "closed after {waited:?}, before the deadline"
+    );
+    eprintln!("a trickled head: closed {waited:?} after connecting");
+}
+
+/// Reads one reply with a `Content-Length` body from a kept-alive connection: its status and body.
+fn read_one_reply(s: &mut std::net::TcpStream) -> (u16, String) {
+    use std::io::Read;
+    let mut got = Vec::new();
+    let mut byte = [0u8; 1];
+    while !got.ends_with(b"\r\n\r\n") {
+        let n = s.read(&mut byte).expect("reads the reply's head");
+        assert_eq!(
+            n,
+            1,
+            "the connection closed mid-reply: {:?}",
+            String::from_utf8_lossy(&got)
+        );
+        got.push(byte[0]);
+    }
+    let head = String::from_utf8_lossy(&got).to_ascii_lowercase();
+    let status = head
+        .get(9..12)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("a status line: {head}"));
+    let len: usize = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("a content-length: {head}"));
+    let mut body = vec![0u8; len];
+    s.read_exact(&mut body).expect("reads the reply's body");
+    (status, String::from_utf8_lossy(&body).into_owned())
+}
+
+#[test]
+fn a_kept_alive_connection_gets_the_deadline_per_head_and_is_closed_when_idle_past_it() {
+    use std::io::{Read, Write};
+    use std::time::{Duration, Instant};
+    let deadline = Duration::from_secs(2);
+    let (_rt, addr) = serve_with_head_deadline(deadline);
+    let mut s = std::net::TcpStream::connect(&addr).expect("connects");
+    s.set_read_timeout(Some(deadline * 10))
+        .expect("read timeout");
+    // Four requests on one connection, each 0.8 s after the previous reply: the connection outlives the deadline,
+    // each head arrives well within it.
+    let t0 = Instant::now();
+    for i in 0..4 {
+        if i > 0 {
+            std::thread::sleep(Duration::from_millis(800));
+        }
+        s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            .expect("sends a request");
+        let (status, body) = read_one_reply(&mut s);
+        assert_eq!(status, 200, "request {i}: {body}");
+    }
+    assert!(
+        t0.elapsed() > deadline,
+        "the connection did not outlive one deadline"
+    );
+    // Then idle: closed, with nothing written, about one deadline after the last reply.
+    let idle = Instant::now();
+    let mut got = Vec::new();
+    let read = s.read_to_end(&mut got);
+    let waited = idle.elapsed();
+    assert!(
+        read.is_ok(),
+        "an idle kept-alive connection not closed within {:?}: {read:?}",
+        deadline * 10
+    );
+    assert!(got.is_empty(), "{:?}", String::from_utf8_lossy(&got));
+    // The clock starts as the server sends the last reply, a little before it is read here.
+    assert!(
+        waited >= deadline / 2,
+        "closed {waited:?} after the last reply"
+    );
+    eprintln!("an idle kept-alive connection: closed {waited:?} after the last reply");
+}
+
+#[test]
+fn a_graceful_stop_finishes_the_stream_in_flight_and_takes_no_new_connection() {
+    use std::sync::{Arc, Mutex};
+    use std::time::{Duration, Instant};
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let l = rt
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .expect("bind");
+    let addr = l.local_addr().expect("addr").to_string();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let state = AppState {
+        service: tiny_service(),
+        model_name: "flashnext-tiny".into(),
+        body_deadline: BODY_DEADLINE,
+        head_deadline: DEFAULT_HEAD_DEADLINE,
+    };
+    let server = rt.spawn(serve(l, state, async move {
+        let _ = stopped.await;
+    }));
+    // A long streamed reply, under way when the stop comes.
+    let events = Arc::new(Mutex::new(Vec::<String>::new()));
+    let (first_tx, first_rx) = std::sync::mpsc::channel::<()>();
+    let stream = {
+        let (addr, events) = (addr.clone(), Arc::clone(&events));
+        std::thread::spawn(move || {
+            let body = json!({"prompt": "import os\n", "max_tokens": 400, "temperature": 0, "ignore_eos": true,
+                              "stream": true, "stream_options": {"include_usage": true}});
+            client::stream_sse(&addr, "/v1/completions", &body.to_string(), |d| {
+                let mut ev = events.lock().expect("events");
+                ev.push(d.to_string());
+                if ev.len() == 1 {
+                    let _ = first_tx.send(());
+                }
+            })
+        })
+    };
+    first_rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("the stream's first event");
+    stop.send(()).expect("the server awaits the stop");
+    let at_stop = events.lock().expect("events").len();
+    // No new connection once the stop has begun (the listener is closed).
+    let t0 = Instant::now();
+    while std::net::TcpStream::connect(&addr).is_ok() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "still taking connections {:?} after the stop",
+            t0.elapsed()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // `serve` returns once the stream is done; then the runtime is dropped at once, which ends every task left (as
+    // the process's exit does after `serve_addr` returns): a stream still under way then would be cut short.
+    let served =
+        rt.block_on(async { tokio::time::timeout(Duration::from_secs(120), server).await });
+    rt.shutdown_background();
+    assert!(
+        matches!(served, Ok(Ok(Ok(())))),
+        "serve did not return Ok after the stop: {served:?}"
+    );
+    let r = stream.join().expect("stream thread").expect("the stream");
+    assert_eq!(r.status, 200, "{}", r.body);
+    let events = events.lock().expect("events").clone();
+    assert!(
+        at_stop < events.len() && !events[..at_stop].iter().any(|e| e == "[DONE]"),
+        "the stream had ended ({at_stop} of {} events) before the stop: the test proves nothing",
+        events.len()
+    );
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "the stream was cut: {} events",
+        events.len()
+    );
+    let usage = events
+        .iter()
+        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+        .find(|v| !v["usage"].is_null())
+        .expect("a usage chunk");
+    assert_eq!(usage["usage"]["completion_tokens"], 400, "{usage}");
 }
 
 /// The bundled model's CPU backend, panicking in its replay after `runs` replays (an engine thread's crash).
@@ -564,6 +840,7 @@ fn a_stream_the_engine_drops_still_ends_with_done() {
         service: panicking_service(),
         model_name: "flashnext-tiny".into(),
         body_deadline: BODY_DEADLINE,
+        head_deadline: DEFAULT_HEAD_DEADLINE,
     };
     let (_rt, addr) = serve_on_a_free_port(state);
     let mut events = Vec::new();
@@ -604,6 +881,7 @@ fn a_full_queue_gets_429_with_retry_after() {
         service: Service::start(engine, tok),
         model_name: "flashnext-tiny".into(),
         body_deadline: BODY_DEADLINE,
+        head_deadline: DEFAULT_HEAD_DEADLINE,
     };
     let (_rt, addr) = serve_on_a_free_port(state);
     for stream in [false, true] {

@@ -38,12 +38,35 @@ pub struct AppState {
     pub model_name: String,
     /// How long a request's body may take to arrive once its head has ([`DEFAULT_BODY_DEADLINE`] in `serve`): past
     /// it the request gets a 408 and its connection is closed, so a client that never finishes its body cannot hold
-    /// the server (or its graceful stop) for ever. (The head itself has no deadline here.)
+    /// the server (or its graceful stop) for ever. (The head's deadline is [`AppState::head_deadline`].)
     pub body_deadline: Duration,
+    /// How long a connection may take to deliver a request's head, its request line and headers
+    /// ([`DEFAULT_HEAD_DEADLINE`] in `flashplan serve`; hyper's HTTP/1 `header_read_timeout`, applied by [`serve`]).
+    ///
+    /// The clock starts when the connection is first served after it is accepted and, on a keep-alive connection,
+    /// again each time the previous reply has been written out in full; it stops once the whole head is in. So it bounds
+    /// the head as a whole, not the pause between two of its bytes (a head trickled in a byte at a time is cut off
+    /// too), and it is also how long an idle keep-alive connection is kept waiting for its next request. It never
+    /// runs while a body is read (that is [`AppState::body_deadline`]) or while a reply is written: a reply that
+    /// streams for minutes is not cut.
+    ///
+    /// At the deadline nothing is written (no 408, no status line at all: hyper has no request to answer yet) and
+    /// the connection is closed: the client reads end of file (or a reset, if it sent more afterwards). During a
+    /// graceful stop a new connection whose first head is only partly in is kept until that head is complete and
+    /// its request answered, or until this deadline: so it bounds the stop too.
+    pub head_deadline: Duration,
 }
 
 /// The default [`AppState::body_deadline`]: 60 s, enough for the largest body ([`MAX_BODY_BYTES`]) at 1.2 MB/s.
 pub const DEFAULT_BODY_DEADLINE: Duration = Duration::from_secs(60);
+
+/// The default [`AppState::head_deadline`]: 30 s. A head is small (hyper takes at most about 400 KB of it, its read
+/// buffer of 8 KB + 100 × 4 KB; a usual one is under 1 KB) and arrives within a second on any working link, so 30 s
+/// leaves room for a slow or lossy one while a client that trickles its head (or sends none) holds a connection
+/// and its task for 30 s at most. It is also how long an idle keep-alive connection is kept: longer than HTTP
+/// client pools keep theirs by default (the `openai` Python client's pool drops an idle one after 5 s), so a
+/// pooled client does not race the server closing it. 30 s is hyper's own default for this timeout too.
+pub const DEFAULT_HEAD_DEADLINE: Duration = Duration::from_secs(30);
 
 /// The router with every endpoint.
 pub fn router(state: AppState) -> Router {
@@ -173,18 +196,92 @@ async fn body_by_deadline(
     .await
 }
 
-/// Serves the router on a bound listener until `shutdown` resolves.
+/// Serves the router on a bound listener (HTTP/1.1) until `shutdown` resolves; then no new connection is taken (the
+/// listener is closed) and it returns once the replies in flight are done, streamed ones included. Connections idle
+/// at that moment are closed at once (a kept-alive one even with its next head partly in); a new one whose first
+/// head is only partly in is kept until that request is answered or [`AppState::head_deadline`] passes, one whose
+/// body is still arriving until its request is answered (at the latest [`AppState::body_deadline`] later, with a
+/// 408).
+///
+/// Each connection is served by hyper's HTTP/1 connection in a task of its own, with [`AppState::head_deadline`] as
+/// its header read timeout (a connection whose head does not arrive in time is closed without a reply). As under
+/// `axum::serve` before it, `TCP_NODELAY` is left off (axum 0.8 does not set it either), and an error accepting a
+/// connection never ends the server: one of that connection alone (refused, aborted, reset) is skipped at once,
+/// any other (such as `EMFILE`, out of file descriptors) is logged and the next accept waits 1 s, so that the
+/// loop does not spin while the process is out of resources. Errors of a connection (the client went away, a
+/// head past its deadline) are logged at debug level and end that connection alone.
 ///
 /// # Errors
-/// The listener's I/O error.
+/// None at present: accept errors are retried as said above. The `io::Result` is kept for callers (and for
+/// [`serve_addr`], whose binding can fail).
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: AppState,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(state))
-        .with_graceful_shutdown(shutdown)
-        .await
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    use hyper_util::server::graceful::GracefulShutdown;
+    use hyper_util::service::TowerToHyperService;
+
+    // HTTP/1 only, as `axum::serve` spoke with axum's default features (no `http2`). hyper's own HTTP/1 builder
+    // rather than hyper-util's auto builder: that one first reads a connection's opening bytes to tell HTTP/1 from
+    // HTTP/2, with no deadline, so a connection that sends nothing would never reach the header read timeout.
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(state.head_deadline);
+    let head_deadline = state.head_deadline;
+    let app = router(state);
+    let graceful = GracefulShutdown::new();
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let (stream, peer) = tokio::select! {
+            accepted = accept(&listener) => accepted,
+            () = &mut shutdown => break,
+        };
+        // The router takes hyper's request body as it is (axum wraps it in its own `Body`).
+        let conn =
+            http.serve_connection(TokioIo::new(stream), TowerToHyperService::new(app.clone()));
+        // Resolves when the connection ends; on the shutdown below, hyper is told to finish the request in flight
+        // and take no other.
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                if e.is_timeout() {
+                    tracing::debug!(
+                        "connection from {peer} closed: no whole request head within {} s",
+                        head_deadline.as_secs_f64()
+                    );
+                } else {
+                    tracing::debug!("connection from {peer}: {e}");
+                }
+            }
+        });
+    }
+    drop(listener);
+    graceful.shutdown().await;
+    Ok(())
+}
+
+/// The next connection of `listener` and its peer's address, retrying every accept error as [`serve`] says: at
+/// once after one of that connection alone, after 1 s (logged) after any other.
+async fn accept(listener: &tokio::net::TcpListener) -> (tokio::net::TcpStream, SocketAddr) {
+    use std::io::ErrorKind;
+    loop {
+        match listener.accept().await {
+            Ok(accepted) => return accepted,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    ErrorKind::ConnectionRefused
+                        | ErrorKind::ConnectionAborted
+                        | ErrorKind::ConnectionReset
+                ) => {}
+            Err(e) => {
+                tracing::error!("accepting a connection: {e} (retrying in 1 s)");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+    }
 }
 
 /// Binds `addr` (127.0.0.1 unless told otherwise) and serves until Ctrl-C or, on Unix, SIGTERM (what systemd and
