@@ -1,9 +1,10 @@
 // Mixture of experts, each op in two launches (the runtime launches both for one node), the router in one:
-// - router (logits of every row into scratch [rows, experts], warp per expert; with a second top-k launch,
-//   router_topk_w or router_topk, tiles of at most 4 rows over blockIdx.y); its last block to finish (integer count
-//   in the node's `done` counter) does the top-k of every row, warp per row (softmax, repeated argmax with the lowest index on ties, renormalised in rank order).
-//   With done == 0 a second launch does the same: beyond 8 rows router_topk_w (the same warp per row, 8 rows a
-//   block), with FLASHPLAN_FUSE_SMALL=0 router_topk (block per row, radix select): the same values bit for bit;
+// - router (logits of every row into scratch [rows, experts], warp per expert; beyond 8 rows tiles of at most 4 rows
+//   over blockIdx.y); the last block of each grid row to finish (integer count in the node's `done` counters, one
+//   per grid row) does the top-k of that grid row's rows, warp per row (softmax, repeated argmax with the lowest index
+//   on ties, renormalised in rank order). With done == 0 a second launch does the same: beyond 16 rows
+//   router_topk_w (the same warp per row, 8 rows a block), with FLASHPLAN_FUSE_SMALL=0 router_topk (block per row,
+//   radix select): the same values bit for bit;
 // - experts (warp per (two pairs of intermediate features, row, rank), feature-major: silu(gate x) * up x into
 //   scratch) then experts_down or experts_down_f4 (warp per (one or four output features, row): four groups of 8
 //   lanes take the ranks, summed in rank order); feature-major, so rows routed to one expert read its rows side by
@@ -216,8 +217,8 @@ DEV void router_topk_block(const FpRouter& p, u32 r) {
     topk_store(p, r, lane, my_id, my_p);
 }
 
-// After the logits (p.done != 0): the last block of the launch to finish does the top-k of every row (warp per
-// row); the count wraps to 0 for the next launch (graph replay). Every thread fences with `__threadfence()` (sm_90:
+// After the logits (p.done != 0): the last block of each grid row to finish does the top-k of that grid row's rows
+// (warp per row); the count wraps to 0 for the next launch (graph replay). Every thread fences with `__threadfence()` (sm_90:
 // a sequentially consistent fence, MEMBAR.SC.GPU), as CUDA's threadFenceReduction sample does: the count is made by
 // thread 0 but the logits by lane 0 of each warp, and the SC fences' total order is what makes the pattern valid.
 // (`fence.acq_rel.gpu` in every thread is not enough under the PTX memory model: a release must precede the flag's
@@ -232,13 +233,14 @@ DEV void router_topk_row(const FpRouter& p, u32 r, u32 lane) {
         router_topk_warp<32>(p, r, lane);
 }
 
-template <bool BLK = false>
+template <int T, bool BLK = false>
 DEV void router_last_block(const FpRouter& p, u32 R) {
     __shared__ u32 last;
     __threadfence();  // this thread's logits, device-wide, before the block's count
     __syncthreads();
-    // atomicInc wraps to 0 at the last block's count: the counter is 0 again for the next launch.
-    if (threadIdx.x == 0) last = atomicInc(uptr(p.done), gridDim.x * gridDim.y - 1) == gridDim.x * gridDim.y - 1 ? 1u : 0u;
+    // Grid row y's own counter (p.done + y): its blocks wrote the logits of its rows (router_t's tiles), all of them
+    // and no others'. atomicInc wraps to 0 at the last block's count: the counter is 0 again for the next launch.
+    if (threadIdx.x == 0) last = atomicInc(uptr(p.done) + blockIdx.y, gridDim.x - 1) == gridDim.x - 1 ? 1u : 0u;
     __syncthreads();
     if (!last) return;
     __threadfence();  // every other block counted after its fence: their logits are visible from here
@@ -251,13 +253,18 @@ DEV void router_last_block(const FpRouter& p, u32 R) {
             router_topk_block<32>(p, 0);
         return;
     }
+    // Grid row y's rows, in order: its tiles y, y + gridDim.y, .. of T rows (r grows with m).
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    for (u32 r = warp; r < R; r += nw)
+    for (u32 m = warp;; m += nw) {
+        const u32 r = (blockIdx.y + m / T * gridDim.y) * T + m % T;
+        if (r >= R) break;
         if (row_ok(p.c, r, false)) router_topk_row(p, r, lane);
+    }
 }
 
-// Entry points per row tile (router_t1 .. router_t8: up to 8 rows in one launch, beyond that router_t4 in tiles of
-// 4 rows over blockIdx.y with router_topk_w following, or router_topk with FLASHPLAN_FUSE_SMALL=0). A warp takes one
+// Entry points per row tile (router_t1 .. router_t8: up to 8 rows in one grid row, beyond that router_t4 in tiles
+// of 4 rows over blockIdx.y, each tile's last block doing its top-k up to 16 rows, beyond 16 with router_topk_w
+// following; with FLASHPLAN_FUSE_SMALL=0 router_topk follows). A warp takes one
 // expert, 8 experts a block (runtime/src/cuda/launch/moe.rs `ROUTER_EXPERTS_PER_BLOCK`), and loads each batch's activation chunks with its
 // weights (`PRE`): router_t1 a lane's 10 chunks of the row (K = 2560 at the real width) at once, router_t2 4, router_t4
 // 2 and router_t8 1 chunk of every row (so the batch's activations stay in 128 registers a thread: two blocks an SM).
@@ -269,14 +276,14 @@ template <int T, int U, bool PRE, bool BLK = false>
 DEV void router_entry(const FpRouter& p) {
     const u32 R = p.c.nstreams * p.c.window;
     router_t<T, U, PRE>(p, R);
-    if (p.done) router_last_block<BLK>(p, R);
+    if (p.done) router_last_block<T, BLK>(p, R);
 }
 extern "C" __global__ void router_t1(const FpRouter p) { pdl_start(); router_entry<1, 10, true, true>(p); }
 extern "C" __global__ void router_t2(const FpRouter p) { pdl_start(); router_entry<2, 4, true>(p); }
 extern "C" __global__ void router_t4(const FpRouter p) { pdl_start(); router_entry<4, 2, true>(p); }
 extern "C" __global__ void router_t8(const FpRouter p) { pdl_start(); router_entry<8, 1, true>(p); }
 
-// Beyond 8 rows with FLASHPLAN_FUSE_SMALL, after the logits in tiles over blockIdx.y: a warp per row, 8 rows a block
+// Beyond 16 rows with FLASHPLAN_FUSE_SMALL, after the logits in tiles over blockIdx.y: a warp per row, 8 rows a block
 // (router_topk_warp, the fused router's per-row top-k: bit for bit router_topk's values).
 extern "C" __global__ void router_topk_w(const FpRouter p) {
     pdl_start();

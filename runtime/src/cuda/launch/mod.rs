@@ -68,7 +68,7 @@ pub(crate) struct Addrs<'a> {
     /// their low 31 bits at 0 (bit 31 flips at every launch, common.cuh `group_barrier`).
     pub counters: u64,
     /// Fewer launches for the small ops (`FLASHPLAN_FUSE_SMALL`): the router in one launch up to
-    /// `ROUTER_ONE_LAUNCH_ROWS` rows (its last block does the top-k), `hc_norm` in the write before it, the rest of a
+    /// `ROUTER_TILES_TOPK_ROWS` rows (its last blocks do the top-k), `hc_norm` in the write before it, the rest of a
     /// hyper-connection read in one launch up to 4 rows (`hc_read_one_t*`), one row's experts in one launch, an embed
     /// or gather inside the norm after it (`rows::fuse_row_norms`). Same bits either way.
     pub fuse_small: bool,

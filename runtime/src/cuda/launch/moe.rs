@@ -4,9 +4,9 @@
 use super::linear::one_wave;
 use super::*;
 
-/// The router's logits entry points per row tile (kernels/moe.cu): up to 8 rows in one launch with
-/// `FLASHPLAN_FUSE_SMALL`; beyond 8 rows, or without it, tiles of at most 4 rows followed by a top-k launch
-/// ([`topk_launch`]).
+/// The router's logits entry points per row tile (kernels/moe.cu): up to 8 rows in one grid row with
+/// `FLASHPLAN_FUSE_SMALL`; beyond 8 rows, or without it, tiles of at most 4 rows over the grid's y, whose last blocks
+/// do the top-k up to [`ROUTER_TILES_TOPK_ROWS`] rows with the switch, else a top-k launch follows ([`topk_launch`]).
 const ROUTER: ByRows = &["router_t1", "router_t2", "router_t4", "router_t8"];
 
 /// The shared expert's gate/up entry points per row tile (kernels/moe.cu).
@@ -29,10 +29,19 @@ const ROUTER_TOPK_THREADS: u32 = 1024;
 /// where a second top-k launch follows instead ([`topk_launch`]).
 const ROUTER_ONE_LAUNCH_ROWS: u32 = 8;
 
+/// Most rows for which the router in tiles of rows over the grid's y (beyond [`ROUTER_ONE_LAUNCH_ROWS`] rows, with
+/// `FLASHPLAN_FUSE_SMALL`) does the top-k in each tile's last block to finish (a counter per tile, warp per row), with
+/// no top-k launch after it; beyond, [`topk_launch`] follows (the same bits). H200 (thirty-second session, A/B
+/// passes against `router_topk_w` after the logits): verify-s16-w1 2397.8 / 2395.5 -> 2388.8 / 2391.9 us, lone-w12
+/// 1971.5 / 1970.4 -> 1954.5 / 1957.2 us, lone-w16 2246.0 / 2245.9 -> 2239.4 / 2245.0 us, the same routing digests;
+/// 16 rows in 2 tiles of 8 (`router_t8`) were slower (2412.4 / 2406.2 us at 16 streams). Not measured beyond 16 rows.
+const ROUTER_TILES_TOPK_ROWS: u32 = 16;
+const _: () = assert!(ROUTER_TILES_TOPK_ROWS.div_ceil(ROW_TILE_MAX) <= NODE_COUNTERS);
+
 /// Rows of `router_topk_w` per block of 256 threads (kernels/moe.cu: a warp per row).
 const ROUTER_TOPK_W_ROWS: u32 = 8;
 
-/// The top-k launch after the router's logits in tiles (beyond [`ROUTER_ONE_LAUNCH_ROWS`] rows, or without
+/// The top-k launch after the router's logits in tiles (beyond [`ROUTER_TILES_TOPK_ROWS`] rows, or without
 /// `FLASHPLAN_FUSE_SMALL`): with the switch `router_topk_w`, a warp per row (the fused router's `router_topk_warp`,
 /// [`ROUTER_TOPK_W_ROWS`] rows a block), else `router_topk`, a block of [`ROUTER_TOPK_THREADS`] per row; the same
 /// bits. H200 (twenty-third session), 16 rows: the router's node 19.4-19.6 -> 16.0-16.2 us, lone-w12 2005.5 /
@@ -314,9 +323,10 @@ pub(super) fn branch_shared_experts(
     Ok(())
 }
 
-/// Parameters and launches of a `Router` node (`node`: its index, for its counter): its logits, and the top-k in the
-/// logits launch's last block up to [`ROUTER_ONE_LAUNCH_ROWS`] rows (`FLASHPLAN_FUSE_SMALL`), else in a second launch
-/// ([`topk_launch`]: `router_topk_w`, or `router_topk` without the switch).
+/// Parameters and launches of a `Router` node (`node`: its index, for its counters): its logits, and the top-k in the
+/// logits launch's last block up to [`ROUTER_ONE_LAUNCH_ROWS`] rows (`FLASHPLAN_FUSE_SMALL`), in each row tile's last
+/// block up to [`ROUTER_TILES_TOPK_ROWS`], else in a second launch ([`topk_launch`]: `router_topk_w`, or
+/// `router_topk` without the switch).
 pub(super) fn router_spec(
     a: &Addrs,
     v: &Variant,
@@ -344,16 +354,16 @@ pub(super) fn router_spec(
              1024)"
         )));
     }
-    // One launch up to ROUTER_ONE_LAUNCH_ROWS rows (the last block's 8 warps do every row's top-k); beyond, a
-    // top-k launch (`topk_launch`: the same bits).
+    // One grid row up to ROUTER_ONE_LAUNCH_ROWS rows (the last block's 8 warps do every row's top-k).
     let one_launch = a.fuse_small && rows <= ROUTER_ONE_LAUNCH_ROWS;
+    let tiles_topk = a.fuse_small && !one_launch && rows <= ROUTER_TILES_TOPK_ROWS;
     let p = FpRouter {
         c: a.common,
         x: a.buf(v, *x),
         gate: a.w(*gate)?,
         ids: a.buf(v, *ids),
         weights: a.buf(v, *weights),
-        done: if one_launch {
+        done: if one_launch || tiles_topk {
             node_counters(a, node)
         } else {
             0
@@ -374,13 +384,18 @@ pub(super) fn router_spec(
             256,
         ));
     }
+    // Beyond, tiles of rows over the grid's y: up to ROUTER_TILES_TOPK_ROWS rows each tile's last block does its
+    // rows' top-k (a counter per tile), else a top-k launch follows.
     let (logits, tiles) = by_row_tiles(ROUTER, rows);
-    let (name, grid, block) = topk_launch(rows, a.fuse_small);
-    Ok(LaunchSpec::new(
+    let spec = LaunchSpec::new(
         logits,
         bytes(&p),
         (experts.div_ceil(ROUTER_EXPERTS_PER_BLOCK), tiles, 1),
         256,
-    )
-    .then(name, grid, block))
+    );
+    if tiles_topk {
+        return Ok(spec);
+    }
+    let (name, grid, block) = topk_launch(rows, a.fuse_small);
+    Ok(spec.then(name, grid, block))
 }

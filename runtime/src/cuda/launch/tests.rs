@@ -639,10 +639,15 @@ fn wide_tiny_plan() -> PlanBody {
 
 #[test]
 fn router_blocks_take_8_experts_at_every_row_count() {
-    // A warp per expert in every router entry point: 8 experts a block of 8 warps; one launch up to 8 rows with
+    // A warp per expert in every router entry point: 8 experts a block of 8 warps; one grid row up to 8 rows with
     // FLASHPLAN_FUSE_SMALL, else the row tile's entry (router_t4 from 3 rows) in tiles of at most 4 rows over the
-    // grid's y, then the top-k launch (router_topk_w with the switch, router_topk without).
-    let body = wide_tiny_plan();
+    // grid's y, with no top-k launch up to 16 rows with the switch (each tile's last block does it), else the top-k
+    // launch (router_topk_w with the switch, router_topk without).
+    // Rounds of 2 and 12 streams: windows of 1 to 36 rows.
+    let body = crate::cuda::fuse::tests::tiny_plan_for(vec![2, 12], |j| {
+        j["num_experts"] = 64.into();
+        j["hidden_size"] = 2048.into();
+    });
     let mut seen = std::collections::BTreeSet::new();
     for fuse_small in [false, true] {
         for (v, specs) in specs_of(&body, fuse_small, SIDE_SCRATCH, 132) {
@@ -672,6 +677,11 @@ fn router_blocks_take_8_experts_at_every_row_count() {
                     let tile = tile.min(4);
                     assert_eq!(sp.kernel, format!("router_t{tile}"), "{what}");
                     assert_eq!(sp.grid.1, rows.div_ceil(tile), "{what}");
+                    if fuse_small && rows <= 16 {
+                        assert!(sp.then.is_empty(), "{what}");
+                        seen.insert(rows);
+                        continue;
+                    }
                     assert_eq!(sp.then.len(), 1, "{what}");
                     // The top-k: with the switch a warp per row, 8 rows a block; without it a block per row.
                     let want = if fuse_small {
@@ -686,7 +696,9 @@ fn router_blocks_take_8_experts_at_every_row_count() {
             }
         }
     }
-    assert!(seen.len() >= 3, "row counts seen: {seen:?}");
+    for rows in [1, 8, 12, 24, 36] {
+        assert!(seen.contains(&rows), "{rows} rows not seen: {seen:?}");
+    }
 }
 
 #[test]
