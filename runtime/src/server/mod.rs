@@ -223,9 +223,9 @@ pub async fn serve(
     use hyper_util::server::graceful::GracefulShutdown;
     use hyper_util::service::TowerToHyperService;
 
-    // HTTP/1 only, as `axum::serve` spoke with axum's default features (no `http2`). hyper's own HTTP/1 builder
-    // rather than hyper-util's auto builder: that one first reads a connection's opening bytes to tell HTTP/1 from
-    // HTTP/2, with no deadline, so a connection that sends nothing would never reach the header read timeout.
+    // HTTP/1 only, as `axum::serve` spoke with axum's default features (no `http2`): hyper's own HTTP/1 builder.
+    // (hyper-util's auto builder, unless told `http1_only`, first reads a connection's opening bytes to tell HTTP/1
+    // from HTTP/2 with no deadline, so a connection that sent nothing would never reach the header read timeout.)
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new())
         .header_read_timeout(state.head_deadline);
