@@ -529,6 +529,25 @@ fn a_short_completion_is_served(addr: &str) {
     assert_eq!(r.status, 200, "{}", r.body);
 }
 
+/// Reads `s` to its end, waiting at most `wait` for each read: asserts that the server closed it having written
+/// nothing (`what` names the connection in failures).
+fn closed_with_nothing_written(s: &mut std::net::TcpStream, wait: std::time::Duration, what: &str) {
+    use std::io::Read;
+    s.set_read_timeout(Some(wait)).expect("read timeout");
+    let mut got = Vec::new();
+    let read = s.read_to_end(&mut got);
+    assert!(
+        read.is_ok(),
+        "{what}: not closed within {wait:?}: {read:?}, got {:?}",
+        String::from_utf8_lossy(&got)
+    );
+    assert!(
+        got.is_empty(),
+        "{what}: the server answered a head it never got whole: {:?}",
+        String::from_utf8_lossy(&got)
+    );
+}
+
 /// Whether a read or write error says that the peer closed the connection (a write after its FIN draws a reset).
 fn closed_by_peer(e: &std::io::Error) -> bool {
     use std::io::ErrorKind;
@@ -540,7 +559,6 @@ fn closed_by_peer(e: &std::io::Error) -> bool {
 
 #[test]
 fn a_head_that_never_ends_is_closed_at_the_head_deadline_and_the_others_are_served() {
-    use std::io::Read;
     let deadline = std::time::Duration::from_secs(1);
     // A request line and one header, and then nothing: the head never ends.
     let (_rt, addr, mut held, t0) =
@@ -549,21 +567,8 @@ fn a_head_that_never_ends_is_closed_at_the_head_deadline_and_the_others_are_serv
     a_short_completion_is_served(&addr);
     // hyper writes nothing at the deadline and closes the connection: end of file. (Without the deadline the
     // connection stays open and this read runs into its timeout, 10 deadlines, far below the body deadline.)
-    let wait = deadline * 10;
-    held.set_read_timeout(Some(wait)).expect("read timeout");
-    let mut got = Vec::new();
-    let read = held.read_to_end(&mut got);
+    closed_with_nothing_written(&mut held, deadline * 10, "a head that never ends");
     let waited = t0.elapsed();
-    assert!(
-        read.is_ok(),
-        "not closed within {wait:?} of a head that never ends: {read:?}, got {:?}",
-        String::from_utf8_lossy(&got)
-    );
-    assert!(
-        got.is_empty(),
-        "the server answered a head it never got whole: {:?}",
-        String::from_utf8_lossy(&got)
-    );
     assert!(
         waited >= deadline,
         "closed after {waited:?}, before the deadline"
@@ -662,7 +667,7 @@ fn read_one_reply(s: &mut std::net::TcpStream) -> (u16, String) {
 
 #[test]
 fn a_kept_alive_connection_gets_the_deadline_per_head_and_is_closed_when_idle_past_it() {
-    use std::io::{Read, Write};
+    use std::io::Write;
     use std::time::{Duration, Instant};
     let deadline = Duration::from_secs(4);
     let (_rt, addr) = serve_with_head_deadline(deadline);
@@ -687,15 +692,8 @@ fn a_kept_alive_connection_gets_the_deadline_per_head_and_is_closed_when_idle_pa
     );
     // Then idle: closed, with nothing written, about one deadline after the last reply.
     let idle = Instant::now();
-    let mut got = Vec::new();
-    let read = s.read_to_end(&mut got);
+    closed_with_nothing_written(&mut s, deadline * 10, "an idle kept-alive connection");
     let waited = idle.elapsed();
-    assert!(
-        read.is_ok(),
-        "an idle kept-alive connection not closed within {:?}: {read:?}",
-        deadline * 10
-    );
-    assert!(got.is_empty(), "{:?}", String::from_utf8_lossy(&got));
     // The clock starts as the server sends the last reply, a little before it is read here.
     assert!(
         waited >= deadline / 4,

@@ -631,7 +631,12 @@ fn rms_norm_blocks_hold_a_group_in_one_batch_of_loads() {
 
 /// The tiny plan at a hidden size of 2048 with 64 experts: wide enough that launch shapes depend on the sizes.
 fn wide_tiny_plan() -> PlanBody {
-    crate::cuda::fuse::tests::tiny_plan_with(|j| {
+    wide_tiny_plan_for(vec![2])
+}
+
+/// [`wide_tiny_plan`] for the stream counts `streams`.
+fn wide_tiny_plan_for(streams: Vec<u32>) -> PlanBody {
+    crate::cuda::fuse::tests::tiny_plan_for(streams, |j| {
         j["num_experts"] = 64.into();
         j["hidden_size"] = 2048.into();
     })
@@ -644,10 +649,7 @@ fn router_blocks_take_8_experts_at_every_row_count() {
     // grid's y, with no top-k launch up to 16 rows with the switch (each tile's last block does it), else the top-k
     // launch (router_topk_w with the switch, router_topk without).
     // Rounds of 2 and 12 streams: windows of 1 to 36 rows.
-    let body = crate::cuda::fuse::tests::tiny_plan_for(vec![2, 12], |j| {
-        j["num_experts"] = 64.into();
-        j["hidden_size"] = 2048.into();
-    });
+    let body = wide_tiny_plan_for(vec![2, 12]);
     let mut seen = std::collections::BTreeSet::new();
     for fuse_small in [false, true] {
         for (v, specs) in specs_of(&body, fuse_small, SIDE_SCRATCH, 132) {
@@ -672,16 +674,14 @@ fn router_blocks_take_8_experts_at_every_row_count() {
                 if fuse_small && rows <= 8 {
                     assert_eq!(sp.kernel, format!("router_t{tile}"), "{what}");
                     assert_eq!(sp.grid.1, 1, "{what}");
-                    assert!(sp.then.is_empty(), "{what}");
                 } else {
                     let tile = tile.min(4);
                     assert_eq!(sp.kernel, format!("router_t{tile}"), "{what}");
                     assert_eq!(sp.grid.1, rows.div_ceil(tile), "{what}");
-                    if fuse_small && rows <= 16 {
-                        assert!(sp.then.is_empty(), "{what}");
-                        seen.insert(rows);
-                        continue;
-                    }
+                }
+                if fuse_small && rows <= 16 {
+                    assert!(sp.then.is_empty(), "{what}");
+                } else {
                     assert_eq!(sp.then.len(), 1, "{what}");
                     // The top-k: with the switch a warp per row, 8 rows a block; without it a block per row.
                     let want = if fuse_small {
