@@ -37,6 +37,7 @@ const ROUTER_ONE_LAUNCH_ROWS: u32 = 8;
 /// 16 rows in 2 tiles of 8 (`router_t8`) were slower (2412.4 / 2406.2 us at 16 streams). Not measured beyond 16 rows.
 const ROUTER_TILES_TOPK_ROWS: u32 = 16;
 const _: () = assert!(ROUTER_TILES_TOPK_ROWS.div_ceil(ROW_TILE_MAX) <= NODE_COUNTERS);
+const _: () = assert!(ROUTER_ONE_LAUNCH_ROWS <= ROUTER_TILES_TOPK_ROWS);
 
 /// Rows of `router_topk_w` per block of 256 threads (kernels/moe.cu: a warp per row).
 const ROUTER_TOPK_W_ROWS: u32 = 8;
@@ -356,14 +357,15 @@ pub(super) fn router_spec(
     }
     // One grid row up to ROUTER_ONE_LAUNCH_ROWS rows (the last block's 8 warps do every row's top-k).
     let one_launch = a.fuse_small && rows <= ROUTER_ONE_LAUNCH_ROWS;
-    let tiles_topk = a.fuse_small && !one_launch && rows <= ROUTER_TILES_TOPK_ROWS;
+    // The top-k in the logits launch's last blocks (no top-k launch after it).
+    let last_blocks_topk = a.fuse_small && rows <= ROUTER_TILES_TOPK_ROWS;
     let p = FpRouter {
         c: a.common,
         x: a.buf(v, *x),
         gate: a.w(*gate)?,
         ids: a.buf(v, *ids),
         weights: a.buf(v, *weights),
-        done: if one_launch || tiles_topk {
+        done: if last_blocks_topk {
             node_counters(a, node)
         } else {
             0
@@ -393,7 +395,7 @@ pub(super) fn router_spec(
         (experts.div_ceil(ROUTER_EXPERTS_PER_BLOCK), tiles, 1),
         256,
     );
-    if tiles_topk {
+    if last_blocks_topk {
         return Ok(spec);
     }
     let (name, grid, block) = topk_launch(rows, a.fuse_small);
