@@ -709,8 +709,8 @@ fn seeded_weights(body: &PlanBody, seed: u64) -> Vec<Option<Vec<f32>>> {
 #[test]
 fn gpu_sparse_attention_at_the_real_shape() {
     // The fixtures' 4 heads and 20 selected tokens run only sparse_attn_g4v of the staged kernels and a one-chunk
-    // combine. Here 12 query heads a kv head of 256 over 2052 selected tokens (65 chunks): sparse_attn_g12 (one
-    // stream) and sparse_attn_g12v (several), sparse_attn_combine_pre (rows x 24 heads <= the SMs) and
+    // combine. Here 12 query heads a kv head of 256 over 2052 selected tokens (65 chunks): sparse_attn_g12e (every
+    // stream count: the exact form of 12 heads), sparse_attn_combine_pre (rows x 24 heads <= the SMs) and
     // sparse_attn_combine (more), against the CPU backend and against each other, bit for bit across stream counts
     // and windows.
     let Some(name) = gpu_ready() else { return };

@@ -411,6 +411,7 @@ mod tests {
             "sparse_attn_g4v",
             "sparse_attn_g8v",
             "sparse_attn_g12v",
+            "sparse_attn_g12e",
             "sparse_attn_combine",
             "sparse_attn_combine_pre",
             "indexer_commit",

@@ -1544,31 +1544,40 @@ fn prefetches_follow_heavy_launches_within_the_budget_and_fetch_the_next_run_of_
 #[test]
 fn sparse_attn_takes_the_tightest_head_bound_that_holds_its_heads() {
     // kernels/attn.cu: entry point sparse_attn_gGM runs head loops up to GM; G heads per kv head need GM >= G, and
-    // the smallest such GM of 4, 8, 12, 16 is the one with the fewest idle heads.
+    // the smallest such GM of 4, 8, 12, 16 is the one with the fewest idle heads. Exactly 12 heads take the exact
+    // form (suffix e: bounds fixed at 12, never staged) at every stream count.
     let src = include_str!("../../../../kernels/attn.cu");
     assert_eq!(kernel_define(src, "SA_CHUNK"), attn::SA_CHUNK);
     for g in 1..=16u32 {
         for streams in [1, 2, 16] {
             let name = attn::sparse_attn_entry(g, streams);
             let staged = name.ends_with('v');
+            let exact = name.ends_with('e');
             let bound: u32 = name["sparse_attn_g".len()..]
-                .trim_end_matches('v')
+                .trim_end_matches(['v', 'e'])
                 .parse()
                 .expect("a bound");
             assert!(bound >= g && bound - g < 4, "{g} heads -> {name}");
-            // Several streams stage the values wherever the kernel can (up to 12 heads); a lone stream never does.
+            assert_eq!(exact, g == 12, "{g} heads -> {name}");
+            // Several streams stage the values wherever the kernel can (up to 12 heads, but for the exact form); a
+            // lone stream never does.
             assert_eq!(
                 staged,
-                streams > 1 && bound <= 12,
+                streams > 1 && bound <= 12 && !exact,
                 "{g} heads, {streams} streams -> {name}"
             );
             let entry = format!(" {name}(const FpSparseAttn p)");
+            let body = if exact {
+                format!("sparse_attn_g<{bound}, false, true>(p)")
+            } else {
+                format!("sparse_attn_g<{bound}, {staged}>(p)")
+            };
             assert!(
                 src.lines()
                     .any(|l| l.starts_with("extern \"C\" __global__ void ")
                         && l.contains(&entry)
-                        && l.contains(&format!("sparse_attn_g<{bound}, {staged}>(p)"))),
-                "{name} is an entry point of kernels/attn.cu running sparse_attn_g<{bound}, {staged}>"
+                        && l.contains(&body)),
+                "{name} is an entry point of kernels/attn.cu running {body}"
             );
         }
     }
@@ -1610,51 +1619,51 @@ fn sparse_attn_combine_keeps_every_load_in_flight_only_within_one_wave() {
 
 #[test]
 fn sparse_attention_nodes_pass_their_streams_and_rows_times_heads_to_the_entry_choices() {
-    // The real attention shape (24 query heads over 2 kv heads of 256: 12 a group) in plans for 1 and 16 streams:
-    // every sparse-attention launch stages its values exactly when its variant has several streams, and its combine
-    // keeps every load in flight exactly when rows x 24 heads fit the 132 SMs (16 streams of one row: 384 blocks, the
-    // looping combine; one stream of 3 rows: 72, the one-wave one).
-    let body = crate::cuda::fuse::tests::tiny_plan_for(vec![1, 16], |j| {
-        j["num_attention_heads"] = 24.into();
-        j["num_key_value_heads"] = 2.into();
-        j["head_dim"] = 256.into();
-        j["indexer_head_dim"] = 128.into();
-    });
-    let mut seen = [0u32; 4];
-    for (v, sp) in specs_with(&body, true, SIDE_SCRATCH, 132, true, false) {
-        let (streams, window) = v.kind.shape();
-        let rows = streams * window;
-        for (n, s) in v.nodes.iter().zip(&sp) {
-            let (Op::SparseAttn { heads, .. }, Some(s)) = (&n.op, s) else {
-                continue;
-            };
-            assert_eq!(*heads, 24);
-            let staged = streams > 1;
-            let pre = rows * 24 <= 132;
-            let what = v.kind.name();
-            assert_eq!(
-                s.kernel,
-                if staged {
-                    "sparse_attn_g12v"
-                } else {
-                    "sparse_attn_g12"
-                },
-                "{what}"
-            );
-            assert_eq!(
-                s.then.first().map(|t| t.0),
-                Some(if pre {
-                    "sparse_attn_combine_pre"
-                } else {
-                    "sparse_attn_combine"
-                }),
-                "{what}"
-            );
-            seen[2 * staged as usize + pre as usize] += 1;
+    // Attention of 256-dim heads over 2 kv heads in plans for 1 and 16 streams. With 16 query heads (8 a group) every
+    // sparse-attention launch stages its values exactly when its variant has several streams; with the real 24 (12
+    // a group) every launch takes the exact form, unstaged. The combine keeps every load in flight exactly when rows
+    // x heads fit the 132 SMs (24 heads: 16 streams of one row are 384 blocks, the looping combine; one stream of 3
+    // rows 72, the one-wave one).
+    for heads in [16u32, 24] {
+        let body = crate::cuda::fuse::tests::tiny_plan_for(vec![1, 16], |j| {
+            j["num_attention_heads"] = heads.into();
+            j["num_key_value_heads"] = 2.into();
+            j["head_dim"] = 256.into();
+            j["indexer_head_dim"] = 128.into();
+        });
+        let mut seen = [0u32; 4];
+        for (v, sp) in specs_with(&body, true, SIDE_SCRATCH, 132, true, false) {
+            let (streams, window) = v.kind.shape();
+            let rows = streams * window;
+            for (n, s) in v.nodes.iter().zip(&sp) {
+                let (Op::SparseAttn { heads: h, .. }, Some(s)) = (&n.op, s) else {
+                    continue;
+                };
+                assert_eq!(*h, heads);
+                let staged = streams > 1;
+                let pre = rows * heads <= 132;
+                let what = v.kind.name();
+                let kernel = match (heads, staged) {
+                    (24, _) => "sparse_attn_g12e",
+                    (_, true) => "sparse_attn_g8v",
+                    _ => "sparse_attn_g8",
+                };
+                assert_eq!(s.kernel, kernel, "{heads} heads, {what}");
+                assert_eq!(
+                    s.then.first().map(|t| t.0),
+                    Some(if pre {
+                        "sparse_attn_combine_pre"
+                    } else {
+                        "sparse_attn_combine"
+                    }),
+                    "{heads} heads, {what}"
+                );
+                seen[2 * staged as usize + pre as usize] += 1;
+            }
         }
+        // Lone streams with the one-wave combine, and 16 streams with the looping one, were both planned.
+        assert!(seen[1] > 0 && seen[2] > 0, "{heads} heads: {seen:?}");
     }
-    // Lone streams with the one-wave combine, and 16 streams with the looping one, were both planned.
-    assert!(seen[1] > 0 && seen[2] > 0, "{seen:?}");
 }
 
 /// The launches of a variant in graph order, each with the ops it covers: its own node and the nodes after it that
