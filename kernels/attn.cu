@@ -542,7 +542,7 @@ DEV void sparse_attn_g(const FpSparseAttn& p) {
 
 // Entry points by the bound of the head loops (runtime/src/cuda/launch/attn.rs: the smallest GM >= G), each
 // compiled on its own (one kernel holding all four took 150 registers), three blocks an SM: 80 registers, no
-// spills (H200, 16 rows: 124.6 -> 112.4 us a replay with the 16-byte P.V reads above, against two blocks an SM).
+// spills but in sparse_attn_g12e below (H200, 16 rows: 124.6 -> 112.4 us a replay with the 16-byte P.V reads above, against two blocks an SM).
 // The `v` forms stage the values (STAGE_V), which the launch picks for rounds of several streams, whose rows select
 // different tokens (H200, 16 streams: the node 102.4 -> 96.9 us; one row 17.1 -> 17.7, a window of 16 rows of one
 // stream 94.5 -> 95.2, so not there).
@@ -552,8 +552,8 @@ extern "C" __global__ void __launch_bounds__(256, 3) sparse_attn_g12(const FpSpa
 extern "C" __global__ void __launch_bounds__(256, 3) sparse_attn_g16(const FpSparseAttn p) { sparse_attn_g<16, false>(p); }
 // Exactly 12 query heads per kv head (the real config: 24 over 2), every stream count, the values not staged
 // (EXACT above; 10 spill stores of loop-invariant scalars). H200, sparse attention's node (us a replay): one row
-// 15.5 -> 12.4, a window of 16 rows 94.8 -> 76.1, 16 streams 97.5 (`sparse_attn_g12v`) -> 81.6; staged it took 87.2
-// at 16 streams.
+// 15.5 -> 12.4, a window of 16 rows 94.8 -> 76.1, 16 streams 97.3-97.6 (`sparse_attn_g12v`) -> 81.6-81.7; staged
+// it took 87.2-87.5 at 16 streams.
 extern "C" __global__ void __launch_bounds__(256, 3) sparse_attn_g12e(const FpSparseAttn p) { sparse_attn_g<12, false, true>(p); }
 extern "C" __global__ void __launch_bounds__(256, 3) sparse_attn_g4v(const FpSparseAttn p) { sparse_attn_g<4, true>(p); }
 extern "C" __global__ void __launch_bounds__(256, 3) sparse_attn_g8v(const FpSparseAttn p) { sparse_attn_g<8, true>(p); }

@@ -797,9 +797,9 @@ fn gpu_sparse_attention_at_the_real_shape() {
         format!("max rel diff {r:.2e}, finite {finite}, max - min {spread:.3e}"),
     );
 
-    // Stream 0's row across stream counts (other streams on other slots with other tokens): the unstaged kernel at
-    // one stream, the staged one from two; the one-wave combine up to 5 rows (x 24 heads <= 132 SMs), the looping
-    // one at 16 streams. And the lone-stream slot.
+    // Stream 0's row across stream counts (other streams on other slots with other tokens), sparse_attn_g12e at
+    // every count; the one-wave combine up to 5 rows (x 24 heads <= 132 SMs), the looping one at 16 streams. And the
+    // lone-stream slot.
     let mut base: Option<Vec<f32>> = None;
     let mut identical = true;
     for s in [1u32, 2, 4, 16] {
@@ -831,7 +831,7 @@ fn gpu_sparse_attention_at_the_real_shape() {
     );
 
     // Rows across windows of one stream (the one-wave combine up to 5 rows, the looping one beyond) and a window of
-    // 16 rows of stream 0 beside a second stream (staged).
+    // 16 rows of stream 0 beside a second stream.
     let mut rows_ref: Vec<Option<Vec<f32>>> = vec![None; 16];
     let mut identical = true;
     for (streams, win) in [(1u32, 1usize), (1, 4), (1, 8), (1, 16), (2, 16)] {

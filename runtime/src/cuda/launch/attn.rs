@@ -14,7 +14,7 @@ pub(super) const SA_CHUNK: u32 = 32;
 /// one stream 94.5 -> 95.2 us, so a lone stream keeps the unstaged form. Exactly 12 heads (the real config) take
 /// `sparse_attn_g12e` at every stream count: its head loops' bounds are constants and its whole batches of P.V run
 /// without bounds checks (the same bits). H200 (2026-12-03), the node: one row 15.5 -> 12.4 us, a window of 16 rows
-/// 94.8 -> 76.1 us, 16 streams 97.5 -> 81.6 us (87.2 with the values staged).
+/// 94.8 -> 76.1 us, 16 streams 97.3-97.6 -> 81.6-81.7 us (87.2-87.5 with the values staged).
 pub(super) fn sparse_attn_entry(g: u32, streams: u32) -> &'static str {
     let staged = streams > 1;
     match g {
