@@ -542,7 +542,8 @@ DEV void sparse_attn_g(const FpSparseAttn& p) {
 
 // Entry points by the bound of the head loops (runtime/src/cuda/launch/attn.rs: the smallest GM >= G), each
 // compiled on its own (one kernel holding all four took 150 registers), three blocks an SM: 80 registers, no
-// spills but in sparse_attn_g12e below (H200, 16 rows: 124.6 -> 112.4 us a replay with the 16-byte P.V reads above, against two blocks an SM).
+// spills but in sparse_attn_g12e below (H200, 16 rows: 124.6 -> 112.4 us a replay with the 16-byte P.V reads above,
+// against two blocks an SM).
 // The `v` forms stage the values (STAGE_V), which the launch picks for rounds of several streams, whose rows select
 // different tokens (H200, 16 streams: the node 102.4 -> 96.9 us; one row 17.1 -> 17.7, a window of 16 rows of one
 // stream 94.5 -> 95.2, so not there).
