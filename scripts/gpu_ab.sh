@@ -22,6 +22,11 @@
 #      workload, warp states, occupancy and launch statistics into $OUT/NAME[-MODE].ncu.txt; printed: the metric rows
 #      and the stall reasons ncu names. Under ncu the SM clock is locked to its base (1.46 GHz on the H200) and the
 #      caches are flushed before the launch: durations are longer than in a replay.
+#      NCU_GRID=BLOCKS picks the launch by its grid instead: a first pass records the grid size (blocks) of the first
+#      NCU_SCAN (default 600) launches of the matching entry points, and the profile is of the first with BLOCKS
+#      blocks after NCU_SKIP of those (e.g. the routed gate/up of 16 rows, not of 8). NCU_SOURCE=1 adds the
+#      per-instruction counters (SourceCounters, InstructionStats) and writes the SASS source page as CSV to
+#      $OUT/NAME[-MODE].sass.csv (columns include "Instructions Executed" and "Warp Stall Sampling").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-/tmp/gpu-ab-out}"
@@ -81,13 +86,41 @@ ncu)
     mkdir -p "$out"
     build "$1"
     ncu="$(command -v ncu || echo /usr/local/cuda/bin/ncu)"
-    env ${mode:+"FLASHPLAN_AB=$mode"} FLASHPLAN_KERNEL_CACHE="/tmp/$name/kernels" "$ncu" \
-        --kernel-name "regex:$2" --launch-skip "${NCU_SKIP:-0}" --launch-count 1 \
-        --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
-        --section LaunchStats "/tmp/$name/gpu-bench" --iters 3 >"$out/$tag.ncu.txt" 2>&1 || {
+    run_ncu() { env ${mode:+"FLASHPLAN_AB=$mode"} FLASHPLAN_KERNEL_CACHE="/tmp/$name/kernels" "$ncu" "$@"; }
+    skip="${NCU_SKIP:-0}"
+    if [ -n "${NCU_GRID:-}" ]; then
+        run_ncu --kernel-name "regex:$2" --launch-count "${NCU_SCAN:-600}" --metrics launch__grid_size --csv \
+            "/tmp/$name/gpu-bench" --iters 3 >"$out/$tag.scan.csv" 2>"$out/$tag.scan.err" || {
+            tail -20 "$out/$tag.scan.err" >&2
+            exit 1
+        }
+        # The launch index among the matching launches (ncu's ID counts only those it profiled).
+        skip=$(python3 - "$out/$tag.scan.csv" "$NCU_GRID" "$skip" <<'PY'
+import csv, sys
+rows = [r for r in csv.DictReader(l for l in open(sys.argv[1]) if l.startswith('"'))
+        if r.get("Metric Name") == "launch__grid_size"]
+hits = [i for i, r in enumerate(rows) if r["Metric Value"].replace(",", "") == sys.argv[2]]
+k = int(sys.argv[3])
+if len(hits) <= k:
+    sys.exit(f"{len(hits)} of the {len(rows)} launches scanned have {sys.argv[2]} blocks; NCU_SKIP is {k}")
+print(hits[k])
+PY
+) || exit 1
+        echo "NCU_GRID=$NCU_GRID: launch $skip of the matching entry points"
+    fi
+    sections=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy
+        --section LaunchStats)
+    [ -n "${NCU_SOURCE:-}" ] && sections+=(--section SourceCounters --section InstructionStats -o "$out/$tag" -f)
+    run_ncu --kernel-name "regex:$2" --launch-skip "$skip" --launch-count 1 "${sections[@]}" \
+        "/tmp/$name/gpu-bench" --iters 3 >"$out/$tag.ncu.txt" 2>&1 || {
         tail -20 "$out/$tag.ncu.txt" >&2
         exit 1
     }
+    if [ -n "${NCU_SOURCE:-}" ]; then
+        "$ncu" -i "$out/$tag.ncu-rep" --page details >"$out/$tag.ncu.txt" 2>&1
+        "$ncu" -i "$out/$tag.ncu-rep" --page source --print-source sass --csv >"$out/$tag.sass.csv" 2>&1
+        rm -f "$out/$tag.ncu-rep"
+    fi
     rows='^  [A-Za-z]|^    [A-Z][A-Za-z0-9 ./()#-]+ {2,}|stalled'
     grep -E "$rows" "$out/$tag.ncu.txt" | grep -vE '^    (OPT|INF|WRN) ' || {
         echo "no metric rows in $out/$tag.ncu.txt (no launch of a kernel matching $2?)" >&2
