@@ -361,7 +361,7 @@ extern "C" __global__ void router_topk(const FpRouter p) {
 // hid[r, i, q] = silu(gate_e x_r) * (up_e x_r), e = ids[r, i]; warp per (P pairs of q, r, i): 4 P weight rows
 // against one read of x_r, U chunks of each in flight, and with PRE x_r's chunks of the batch loaded with them
 // (warp_dots_rows). A feature's dots are warp_dots' sums whatever P, U and PRE.
-template <int P, int U, bool PRE>
+template <int P, int U, bool PRE, bool SORTED = false>
 DEV void experts_gate_up(const FpExperts& p) {
     const FpCommon& c = p.c;
     const u32 R = c.nstreams * c.window;
@@ -376,7 +376,9 @@ DEV void experts_gate_up(const FpExperts& p) {
         // Feature-major: the warps of one group of features over every (row, rank) run side by side, so rows routed
         // to the same expert read its weight rows together (one DRAM read, the others from L2).
         const u32 q0 = (u32)(it / ((u64)R * p.topk)) * 2 * P;
-        const u32 rest = (u32)(it % ((u64)R * p.topk));
+        u32 rest = (u32)(it % ((u64)R * p.topk));
+        // SORTED: the slot experts_order put at this place (its permutation after hid in the scratch).
+        if (SORTED) rest = uptr(p.c.scratch + ((u64)R * p.topk * I) * 4)[rest];
         const u32 r = rest / p.topk, i = rest % p.topk;
         if (!row_ok(c, r, false)) continue;
         const u32 e = uptr(p.ids)[(u64)r * p.topk + i];
@@ -411,9 +413,54 @@ extern "C" __global__ void experts(const FpExperts p) { pdl_start(); experts_gat
 // rank) items. The same sums. H200, 2026-12-02, two A/B passes: lone-w16 2254.6 / 2257.3 -> 2241.0 / 2243.9 us,
 // 16 streams 2402.6 / 2410.4 -> 2396.4 / 2396.5 us (docs/benchmarks.md, twenty-eighth session); 2026-12-03, from
 // 5 rows: lone-w5 1320 -> 1306 us, lone-w8 1590 -> 1575 us (thirtieth session).
+// From 5 rows on: the slots taken in expert order (experts_order's permutation), so that the warps of the rows routed
+// to one expert run side by side (H200, 16 streams: 2380 -> 2356 us a round; docs/benchmarks.md, thirty-fourth
+// session). The same dots per slot.
 extern "C" __global__ void __launch_bounds__(256, 3) experts_wide(const FpExperts p) {
     pdl_start();
-    experts_gate_up<2, 1, true>(p);
+    experts_gate_up<2, 1, true, true>(p);
+}
+// The round's (row, rank) slots in expert order for experts_wide, after hid in the scratch: a counting sort by id in
+// one block of exactly 1024 threads (MOE_MAX_EXPERTS bins), the slots of rows that are not real last.
+extern "C" __global__ void __launch_bounds__(1024) experts_order(const FpExperts p) {
+    pdl_start();
+    __shared__ u32 cnt[MOE_MAX_EXPERTS + 1];
+    __shared__ u32 wsum[32];
+    const FpCommon& c = p.c;
+    const u32 R = c.nstreams * c.window, n = R * p.topk;
+    u32* perm = uptr(c.scratch + ((u64)n * p.inter) * 4);
+    const u32 t = threadIdx.x, lane = t & 31, w = t >> 5;
+    for (u32 b = t; b <= MOE_MAX_EXPERTS; b += blockDim.x) cnt[b] = 0;
+    __syncthreads();
+    auto key = [&](u32 s) -> u32 {
+        if (!row_ok(c, s / p.topk, false)) return MOE_MAX_EXPERTS;
+        const u32 e = uptr(p.ids)[s];
+        return e < MOE_MAX_EXPERTS ? e : MOE_MAX_EXPERTS - 1;
+    };
+    for (u32 s = t; s < n; s += blockDim.x) atomicAdd(&cnt[key(s)], 1u);
+    __syncthreads();
+    // Exclusive scan of bins 0..1023 (thread t bin t), bin 1024 after them all.
+    const u32 v = cnt[t];
+    u32 inc = v;
+    for (u32 o = 1; o < 32; o <<= 1) {
+        const u32 y = __shfl_up_sync(FULL_MASK, inc, o);
+        if (lane >= o) inc += y;
+    }
+    if (lane == 31) wsum[w] = inc;
+    __syncthreads();
+    if (w == 0) {
+        u32 x = wsum[lane], xi = x;
+        for (u32 o = 1; o < 32; o <<= 1) {
+            const u32 y = __shfl_up_sync(FULL_MASK, xi, o);
+            if (lane >= o) xi += y;
+        }
+        wsum[lane] = xi - x;
+        if (lane == 31) cnt[MOE_MAX_EXPERTS] = xi;
+    }
+    __syncthreads();
+    cnt[t] = wsum[w] + inc - v;
+    __syncthreads();
+    for (u32 s = t; s < n; s += blockDim.x) perm[atomicAdd(&cnt[key(s)], 1u)] = s;
 }
 
 // out[r, d] = sum over ranks i in order of weights[r, i] * down_e[d] . hid[r, i]; warp per (F features d, r), lane

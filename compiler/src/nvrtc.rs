@@ -420,6 +420,7 @@ mod tests {
             "router_topk_w",
             "experts",
             "experts_wide",
+            "experts_order",
             "experts_down",
             "experts_down_f4",
             "shared_expert_t1",

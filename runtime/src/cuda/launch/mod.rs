@@ -264,10 +264,11 @@ pub(crate) fn scratch_elems(body: &PlanBody, op: &Op, rows: u64) -> u64 {
             let nsplit = ((*topk as u64 + 1) * *ratio as u64).div_ceil(SA_CHUNK as u64);
             rows * *heads as u64 * nsplit * (*hd as u64 + 2)
         }
-        // One row: experts_one's sums [topk, dim], then hid [topk, inter].
+        // hid [rows, topk, inter], then experts_order's permutation of the rows x topk slots (u32, from 5 rows on);
+        // one row: experts_one's sums [topk, dim] besides.
         Op::Experts {
             topk, inter, dim, ..
-        } => rows * *topk as u64 * (*inter as u64 + if rows == 1 { *dim as u64 } else { 0 }),
+        } => rows * *topk as u64 * (*inter as u64 + 1 + if rows == 1 { *dim as u64 } else { 0 }),
         Op::SharedExpert { inter, .. } => rows * (*inter as u64 + 1),
         Op::Router { experts, .. } => rows * *experts as u64,
         // SamplePart (32 bytes) per (item, part); items <= rows.

@@ -88,6 +88,8 @@ pub(super) fn down_features(rows: u32) -> (&'static str, u32) {
 /// A/B passes of 2026-12-03 against `experts`: lone-w5 1320 -> 1306 us, w6 1418 -> 1409, w7 1503 -> 1490, w8 1590
 /// -> 1575, 8 streams 1698 -> 1685; twenty-eighth session: lone-w16 2256 -> 2242 us, 16 streams 2407 -> 2396 us).
 /// At 4 rows and fewer `experts` stayed faster (lone-w4 1192 against 1196-1200 us, lone-w2 968 against 978).
+/// `experts_wide` takes the round's slots in expert order, sorted by `experts_order` just before it (16 streams 2380
+/// -> 2356 us, 8 streams 1676 -> 1668, lone-w16 2226 -> 2218: docs/benchmarks.md, thirty-fourth session).
 pub(super) fn gate_up_entry(rows: u32) -> &'static str {
     if rows >= 5 {
         "experts_wide"
@@ -197,12 +199,16 @@ pub(super) fn experts_spec(
         grid = one_wave(grid, EXPERTS_BLOCKS_PER_SM, a.sms);
     }
     let (down, feats) = down_features(rows);
+    let down_grid = (rows * dim.div_ceil(feats)).div_ceil(8);
+    if rows >= 5 {
+        // experts_wide takes the slots in expert order: experts_order (one block of 1024 threads) sorts them first.
+        return Ok(LaunchSpec::new("experts_order", bytes(&p), (1, 1, 1), 1024)
+            .then(gate_up_entry(rows), grid, 256)
+            .then(down, down_grid, 256));
+    }
     Ok(
-        LaunchSpec::new(gate_up_entry(rows), bytes(&p), (grid, 1, 1), 256).then(
-            down,
-            (rows * dim.div_ceil(feats)).div_ceil(8),
-            256,
-        ),
+        LaunchSpec::new(gate_up_entry(rows), bytes(&p), (grid, 1, 1), 256)
+            .then(down, down_grid, 256),
     )
 }
 
