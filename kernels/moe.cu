@@ -361,6 +361,12 @@ extern "C" __global__ void router_topk(const FpRouter p) {
 // hid[r, i, q] = silu(gate_e x_r) * (up_e x_r), e = ids[r, i]; warp per (P pairs of q, r, i): 4 P weight rows
 // against one read of x_r, U chunks of each in flight, and with PRE x_r's chunks of the batch loaded with them
 // (warp_dots_rows). A feature's dots are warp_dots' sums whatever P, U and PRE.
+// experts_order's permutation of the round's R x topk (row, rank) slots, u32, in the scratch after hid [R, topk, inter]
+// (launch/mod.rs `scratch_elems`).
+DEV u32* experts_slot_order(const FpExperts& p) {
+    return uptr(p.c.scratch + (u64)p.c.nstreams * p.c.window * p.topk * p.inter * 4);
+}
+
 template <int P, int U, bool PRE, bool SORTED = false>
 DEV void experts_gate_up(const FpExperts& p) {
     const FpCommon& c = p.c;
@@ -377,8 +383,8 @@ DEV void experts_gate_up(const FpExperts& p) {
         // to the same expert read its weight rows together (one DRAM read, the others from L2).
         const u32 q0 = (u32)(it / ((u64)R * p.topk)) * 2 * P;
         u32 rest = (u32)(it % ((u64)R * p.topk));
-        // SORTED: the slot experts_order put at this place (its permutation after hid in the scratch).
-        if (SORTED) rest = uptr(p.c.scratch + ((u64)R * p.topk * I) * 4)[rest];
+        // SORTED: the slot experts_order put at this place.
+        if (SORTED) rest = experts_slot_order(p)[rest];
         const u32 r = rest / p.topk, i = rest % p.topk;
         if (!row_ok(c, r, false)) continue;
         const u32 e = uptr(p.ids)[(u64)r * p.topk + i];
@@ -428,7 +434,7 @@ extern "C" __global__ void __launch_bounds__(1024) experts_order(const FpExperts
     __shared__ u32 wsum[32];
     const FpCommon& c = p.c;
     const u32 R = c.nstreams * c.window, n = R * p.topk;
-    u32* perm = uptr(c.scratch + ((u64)n * p.inter) * 4);
+    u32* perm = experts_slot_order(p);
     const u32 t = threadIdx.x, lane = t & 31, w = t >> 5;
     for (u32 b = t; b <= MOE_MAX_EXPERTS; b += blockDim.x) cnt[b] = 0;
     __syncthreads();

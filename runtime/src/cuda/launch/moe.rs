@@ -200,16 +200,14 @@ pub(super) fn experts_spec(
     }
     let (down, feats) = down_features(rows);
     let down_grid = (rows * dim.div_ceil(feats)).div_ceil(8);
-    if rows >= 5 {
+    let gate_up = gate_up_entry(rows);
+    if gate_up == "experts_wide" {
         // experts_wide takes the slots in expert order: experts_order (one block of 1024 threads) sorts them first.
         return Ok(LaunchSpec::new("experts_order", bytes(&p), (1, 1, 1), 1024)
-            .then(gate_up_entry(rows), grid, 256)
+            .then(gate_up, grid, 256)
             .then(down, down_grid, 256));
     }
-    Ok(
-        LaunchSpec::new(gate_up_entry(rows), bytes(&p), (grid, 1, 1), 256)
-            .then(down, down_grid, 256),
-    )
+    Ok(LaunchSpec::new(gate_up, bytes(&p), (grid, 1, 1), 256).then(down, down_grid, 256))
 }
 
 /// The shared expert's gate/up and down entry points for `rows` rows and their tiles of rows over `blockIdx.y`: up to 4
