@@ -143,11 +143,13 @@ impl LaunchSpec {
             .push((kernel, (grid.0.max(1), grid.1.max(1), grid.2.max(1)), block));
         self
     }
-    /// The node's kernel for reports: the first launch's, or `<linear entry>+split` when the first launch only
-    /// splits the rows for the linear that follows ([`linear::with_split`]).
+    /// The node's kernel for reports: the first launch's, or `<entry>+split` / `<entry>+order` when the first
+    /// launch only prepares the one that follows: splits the rows for a linear ([`linear::with_split`]) or sorts the
+    /// routed slots by expert for `experts_wide` (`experts_order`).
     pub fn name(&self) -> String {
         match self.then.first() {
             Some((k, ..)) if self.kernel.ends_with("_split") => format!("{k}+split"),
+            Some((k, ..)) if self.kernel == "experts_order" => format!("{k}+order"),
             _ => self.kernel.to_string(),
         }
     }
