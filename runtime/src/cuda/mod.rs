@@ -156,8 +156,9 @@ pub struct BenchResult {
     /// Median replay time (CUDA events), microseconds.
     pub median_us: f64,
     /// Per-kernel time summed over the nodes of one replay, microseconds, by kernel name (`LaunchSpec::name`: the
-    /// first launch's, `linear_tN+split` for a linear of several rows, `experts_wide+order` for the routed experts from 5 rows); a node's time is measured
-    /// inside a graph of 20 back-to-back copies of it (so it includes the in-graph launch gap).
+    /// first launch's, `linear_tN+split` for a linear of several rows, `experts_wide+order` for the routed experts
+    /// from 5 rows); a node's time is measured inside a graph of 20 back-to-back copies of it (so it includes the
+    /// in-graph launch gap).
     pub kernels_us: Vec<(String, f64)>,
     /// Each node's in-graph time (best of three graph replays, per copy), microseconds, in node order. A run of
     /// sibling linears launched as one `linear_multi` (`FLASHPLAN_FUSE_LINEAR`) has the fused launch's time at its

@@ -204,12 +204,14 @@ async fn body_by_deadline(
 /// 408).
 ///
 /// Each connection is served by hyper's HTTP/1 connection in a task of its own, with [`AppState::head_deadline`] as
-/// its header read timeout (a connection whose head does not arrive in time is closed without a reply). As under
-/// `axum::serve` before it, `TCP_NODELAY` is left off (axum 0.8 does not set it either), and an error accepting a
-/// connection never ends the server: one of that connection alone (refused, aborted, reset) is skipped at once,
-/// any other (such as `EMFILE`, out of file descriptors) is logged and the next accept waits 1 s, so that the
-/// loop does not spin while the process is out of resources. Errors of a connection (the client went away, a
-/// head past its deadline) are logged at debug level and end that connection alone.
+/// its header read timeout (a connection whose head does not arrive in time is closed without a reply). Every
+/// accepted connection gets `TCP_NODELAY` (in `accept`): a streamed reply is one small write per event, which
+/// Nagle's algorithm would otherwise hold back until the client acknowledges the previous one (a delayed ACK: 40 ms
+/// or more on Linux, per event). An error accepting a connection never ends the server: one of
+/// that connection alone (refused, aborted, reset) is skipped at once, any other (such as `EMFILE`, out of file
+/// descriptors) is logged and the next accept waits 1 s, so that the loop does not spin while the process is out of
+/// resources. Errors of a connection (the client went away, a head past its deadline) are logged at debug level and
+/// end that connection alone.
 ///
 /// # Errors
 /// None at present: accept errors are retried as said above. The `io::Result` is kept for callers (and for
@@ -262,13 +264,24 @@ pub async fn serve(
     Ok(())
 }
 
-/// The next connection of `listener` and its peer's address, retrying every accept error as [`serve`] says: at
-/// once after one of that connection alone, after 1 s (logged) after any other.
+/// Turns Nagle's algorithm off on an accepted connection (`TCP_NODELAY`), so each server-sent event leaves when it
+/// is written. A failure (the peer already gone) is logged at debug level; the connection is served as it is.
+fn no_delay(stream: &tokio::net::TcpStream, peer: SocketAddr) {
+    if let Err(e) = stream.set_nodelay(true) {
+        tracing::debug!("connection from {peer}: TCP_NODELAY not set: {e}");
+    }
+}
+
+/// The next connection of `listener` and its peer's address, with `TCP_NODELAY` set (`no_delay`), retrying every
+/// accept error as [`serve`] says: at once after one of that connection alone, after 1 s (logged) after any other.
 async fn accept(listener: &tokio::net::TcpListener) -> (tokio::net::TcpStream, SocketAddr) {
     use std::io::ErrorKind;
     loop {
         match listener.accept().await {
-            Ok(accepted) => return accepted,
+            Ok((stream, peer)) => {
+                no_delay(&stream, peer);
+                return (stream, peer);
+            }
             Err(e)
                 if matches!(
                     e.kind(),
@@ -803,5 +816,26 @@ async fn detokenize(
     match blocking(run).await {
         Ok(v) => Json(v).into_response(),
         Err(e) => e.into_response(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::accept;
+
+    /// The server's accept hands out connections with Nagle's algorithm off (a socket accepted as it is has it on).
+    #[tokio::test]
+    async fn accepted_connections_get_tcp_nodelay() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let _plain_client = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (plain, _) = listener.accept().await.unwrap();
+        assert!(
+            !plain.nodelay().unwrap(),
+            "a fresh socket starts with Nagle on"
+        );
+        let _client = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (stream, _) = accept(&listener).await;
+        assert!(stream.nodelay().unwrap());
     }
 }
