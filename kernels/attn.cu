@@ -185,31 +185,6 @@ extern "C" __global__ void indexer_score(const FpIndexerSelect p) {
     }
 }
 
-// Exclusive prefix sum over the block (fixed order); `sh` holds 33 u32. Every thread gets its offset and the total.
-DEV u32 block_scan_u32(u32 v, u32* sh, u32& total) {
-    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    u32 x = v;
-    for (int o = 1; o < 32; o <<= 1) {
-        const u32 y = __shfl_up_sync(FULL_MASK, x, o);
-        if (lane >= (u32)o) x += y;
-    }
-    __syncthreads();
-    if (lane == 31) sh[warp] = x;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        u32 acc = 0;
-        for (u32 i = 0; i < nw; i++) {
-            const u32 t = sh[i];
-            sh[i] = acc;
-            acc += t;
-        }
-        sh[32] = acc;
-    }
-    __syncthreads();
-    total = sh[32];
-    return sh[warp] + x - v;
-}
-
 extern "C" __global__ void indexer_select(const FpIndexerSelect p) {
     pdl_start();
     __shared__ u32 hist[256];

@@ -295,6 +295,32 @@ DEV void block_key_warp(const float* raw, u32 b, u32 id, u32 ratio, u64 kn, floa
     rope_warp(key, inv_freq, half, b * ratio, af, lane);
 }
 
+// Exclusive prefix sum over the block (fixed order); `sh` holds 33 u32. Every thread gets its offset and the total.
+// indexer_select (attn.cu) and experts_order (moe.cu).
+DEV u32 block_scan_u32(u32 v, u32* sh, u32& total) {
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    u32 x = v;
+    for (int o = 1; o < 32; o <<= 1) {
+        const u32 y = __shfl_up_sync(FULL_MASK, x, o);
+        if (lane >= (u32)o) x += y;
+    }
+    __syncthreads();
+    if (lane == 31) sh[warp] = x;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u32 acc = 0;
+        for (u32 i = 0; i < nw; i++) {
+            const u32 t = sh[i];
+            sh[i] = acc;
+            acc += t;
+        }
+        sh[32] = acc;
+    }
+    __syncthreads();
+    total = sh[32];
+    return sh[warp] + x - v;
+}
+
 // ---- Bandwidth helpers for decode-shaped matrix-vector work (linear, moe, hc_read) ----
 // 16-byte streaming load of weights (read once per replay: no L1 allocation).
 DEV uint4 ldg_stream16(const void* p) {

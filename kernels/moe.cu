@@ -431,11 +431,11 @@ extern "C" __global__ void __launch_bounds__(256, 3) experts_wide(const FpExpert
 extern "C" __global__ void __launch_bounds__(1024) experts_order(const FpExperts p) {
     pdl_start();
     __shared__ u32 cnt[MOE_MAX_EXPERTS + 1];
-    __shared__ u32 wsum[32];
+    __shared__ u32 sh[33];
     const FpCommon& c = p.c;
     const u32 R = c.nstreams * c.window, n = R * p.topk;
     u32* perm = experts_slot_order(p);
-    const u32 t = threadIdx.x, lane = t & 31, w = t >> 5;
+    const u32 t = threadIdx.x;
     for (u32 b = t; b <= MOE_MAX_EXPERTS; b += blockDim.x) cnt[b] = 0;
     __syncthreads();
     auto key = [&](u32 s) -> u32 {
@@ -446,25 +446,10 @@ extern "C" __global__ void __launch_bounds__(1024) experts_order(const FpExperts
     for (u32 s = t; s < n; s += blockDim.x) atomicAdd(&cnt[key(s)], 1u);
     __syncthreads();
     // Exclusive scan of bins 0..1023 (thread t bin t), bin 1024 after them all.
-    const u32 v = cnt[t];
-    u32 inc = v;
-    for (u32 o = 1; o < 32; o <<= 1) {
-        const u32 y = __shfl_up_sync(FULL_MASK, inc, o);
-        if (lane >= o) inc += y;
-    }
-    if (lane == 31) wsum[w] = inc;
-    __syncthreads();
-    if (w == 0) {
-        u32 x = wsum[lane], xi = x;
-        for (u32 o = 1; o < 32; o <<= 1) {
-            const u32 y = __shfl_up_sync(FULL_MASK, xi, o);
-            if (lane >= o) xi += y;
-        }
-        wsum[lane] = xi - x;
-        if (lane == 31) cnt[MOE_MAX_EXPERTS] = xi;
-    }
-    __syncthreads();
-    cnt[t] = wsum[w] + inc - v;
+    u32 total;
+    const u32 off = block_scan_u32(cnt[t], sh, total);
+    cnt[t] = off;
+    if (t == 0) cnt[MOE_MAX_EXPERTS] = total;
     __syncthreads();
     for (u32 s = t; s < n; s += blockDim.x) perm[atomicAdd(&cnt[key(s)], 1u)] = s;
 }
