@@ -4,25 +4,30 @@
 #include "linear.cuh"
 
 // The tensor-core body (linear.cuh `linear_tc_rows`): K in S = `tc_split(k, n)` slices (from the weight's shape) (runtime/src/cuda/launch/linear.rs),
-// MT m-tiles of 16 features per warp, U steps of 32 weights of each in flight per lane: one m-tile and 4 steps, 8 in
-// linear_t1_deep, two m-tiles and 2 steps in the tile of 16 rows (`LINEAR_T16`).
+// MT m-tiles of 16 features per warp, U steps of 32 weights of each in flight per lane: one m-tile and 4 steps, and
+// LINEAR_MTILES (params.h: 2) m-tiles and 4 steps of each in linear_t1_deep and the tiles of 8 and 16 rows.
 template <int T, int U = 4, int MT = 1>
 DEV void linear_entry(const FpLinear& p, u32 block, u32 nblocks) {
     const u32 total = linear_total(p.c, p.sub, p.gathered);
     linear_tc_rows<T, U, MT>(p, total, block, nblocks, (const uint4*)p.c.scratch, LinearStore{});
 }
 extern "C" __global__ void __launch_bounds__(256, 3) linear_t1(const FpLinear p) { pdl_start(); linear_entry<1>(p, blockIdx.x, gridDim.x); }
-// One row with many steps a warp (the lm_head: runtime/src/cuda/launch/linear.rs `linear_entry`): 8 steps of loads in
-// flight, two blocks an SM (the registers they need); the same arithmetic as linear_t1.
-extern "C" __global__ void __launch_bounds__(256, 2) linear_t1_deep(const FpLinear p) { pdl_start(); linear_entry<1, 8>(p, blockIdx.x, gridDim.x); }
+// One row with many steps a warp (the lm_head: runtime/src/cuda/launch/linear.rs `linear_entry`): LINEAR_MTILES
+// m-tiles a warp, 4 steps of each in flight (8 steps of loads, as many independent MMA chains as m-tiles: each m-tile's
+// step is six dependent MMAs into one accumulator), two blocks an SM (102 registers); the same arithmetic as
+// linear_t1. H200, 2026-12-04, one m-tile and 8 steps against two and 4: the one-row lm_head 317.5 -> 306.2 us.
+extern "C" __global__ void __launch_bounds__(256, 2) linear_t1_deep(const FpLinear p) { pdl_start(); linear_entry<1, 4, LINEAR_MTILES>(p, blockIdx.x, gridDim.x); }
 extern "C" __global__ void __launch_bounds__(256, 3) linear_t2(const FpLinear p) { pdl_start(); linear_entry<2>(p, blockIdx.x, gridDim.x); }
 extern "C" __global__ void linear_t4(const FpLinear p) { pdl_start(); linear_entry<4>(p, blockIdx.x, gridDim.x); }
-extern "C" __global__ void linear_t8(const FpLinear p) { pdl_start(); linear_entry<8>(p, blockIdx.x, gridDim.x); }
-// 16 rows: LINEAR_T16_MTILES (params.h) m-tiles a warp (each step's split terms, 96 bytes a lane for 32 bytes of
-// weights with one m-tile, read once for both), 2 steps of each in flight, two blocks an SM (linear_t16 in 128
-// registers unbounded, linear_multi_t16 in 124 under its launch bounds, 132 without).
-#define LINEAR_T16 16, 2, LINEAR_T16_MTILES
-extern "C" __global__ void linear_t16(const FpLinear p) { pdl_start(); linear_entry<LINEAR_T16>(p, blockIdx.x, gridDim.x); }
+// 8 and 16 rows: LINEAR_MTILES (params.h) m-tiles a warp (each step's split terms, 96 bytes a lane for 32 bytes of
+// weights with one m-tile, read once for both), 4 steps of each in flight; at 16 rows two blocks an SM (both entry
+// points in 128 registers under their launch bounds; at 8 rows 100 and 78 unbounded). With 2 steps in flight (before
+// the terms shared one accumulator: tc_step_split) the 16-row lm_head took 355 us against 335 now (H200, 2026-12-04);
+// the 8-row tile with one m-tile: lone-w8 1565.2 / 1567.1 -> 1558.4 / 1556.4 us with two (H200, 2026-12-04).
+#define LINEAR_T8 8, 4, LINEAR_MTILES
+extern "C" __global__ void linear_t8(const FpLinear p) { pdl_start(); linear_entry<LINEAR_T8>(p, blockIdx.x, gridDim.x); }
+#define LINEAR_T16 16, 4, LINEAR_MTILES
+extern "C" __global__ void __launch_bounds__(256, 2) linear_t16(const FpLinear p) { pdl_start(); linear_entry<LINEAR_T16>(p, blockIdx.x, gridDim.x); }
 
 // linear_split, linear_multi_split: the rows' BF16 terms into the scratch (linear.cuh `linear_split_rows`), the
 // first launch of a linear node of two rows or more (runtime/src/cuda/launch/linear.rs).
@@ -48,5 +53,6 @@ DEV void linear_multi_entry(const FpLinearMulti& p) {
 extern "C" __global__ void __launch_bounds__(256, 3) linear_multi_t1(const FpLinearMulti p) { pdl_start(); linear_multi_entry<1>(p); }
 extern "C" __global__ void __launch_bounds__(256, 3) linear_multi_t2(const FpLinearMulti p) { pdl_start(); linear_multi_entry<2>(p); }
 extern "C" __global__ void linear_multi_t4(const FpLinearMulti p) { pdl_start(); linear_multi_entry<4>(p); }
-extern "C" __global__ void linear_multi_t8(const FpLinearMulti p) { pdl_start(); linear_multi_entry<8>(p); }
+extern "C" __global__ void linear_multi_t8(const FpLinearMulti p) { pdl_start(); linear_multi_entry<LINEAR_T8>(p); }
 extern "C" __global__ void __launch_bounds__(256, 2) linear_multi_t16(const FpLinearMulti p) { pdl_start(); linear_multi_entry<LINEAR_T16>(p); }
+

@@ -156,15 +156,19 @@ DEV void tc_split_x(const float (&x)[8], uint4 (&xt)[3]) {
     xt[2] = make_uint4(pack_bf16x2(l[0], l[1]), pack_bf16x2(l[2], l[3]), pack_bf16x2(l[4], l[5]), pack_bf16x2(l[6], l[7]));
 }
 // One step of 32 values: the lane's two A fragments of the weight tile (w0: MMA 0, k 8 q + 0 .. 3; w1: MMA 1,
-// k 8 q + 4 .. 7) against the three terms of its 8 activations (`tc_split_x`), each term into its own accumulator.
-DEV void tc_step_split(float (&acc)[3][4], const uint4& w0, const uint4& w1, const uint4 (&xt)[3]) {
+// k 8 q + 4 .. 7) against the three terms of its 8 activations (`tc_split_x`), all six MMAs into the one accumulator
+// in a fixed order: MMA 0 with the hi, mid and lo terms, then MMA 1 with them. One accumulator instead of one a term
+// leaves the registers for more steps of loads in flight (the tile of 16 rows: 4 instead of 2). H200, 2026-12-04:
+// the 16-row lm_head 355 -> 335 us, the 6144 -> 2560 output projection 21.3 -> 18.4 us, 16 streams 2335 -> 2296 us
+// (docs/benchmarks.md, thirty-fifth session).
+DEV void tc_step_split(float (&acc)[4], const uint4& w0, const uint4& w1, const uint4 (&xt)[3]) {
 #pragma unroll
-    for (int e = 0; e < 3; e++) mma_bf16_16816(acc[e], w0.x, w0.y, w0.z, w0.w, xt[e].x, xt[e].y);
+    for (int e = 0; e < 3; e++) mma_bf16_16816(acc, w0.x, w0.y, w0.z, w0.w, xt[e].x, xt[e].y);
 #pragma unroll
-    for (int e = 0; e < 3; e++) mma_bf16_16816(acc[e], w1.x, w1.y, w1.z, w1.w, xt[e].z, xt[e].w);
+    for (int e = 0; e < 3; e++) mma_bf16_16816(acc, w1.x, w1.y, w1.z, w1.w, xt[e].z, xt[e].w);
 }
 // tc_step_split on 8 activations split here.
-DEV void tc_step(float (&acc)[3][4], const uint4& w0, const uint4& w1, const float (&x)[8]) {
+DEV void tc_step(float (&acc)[4], const uint4& w0, const uint4& w1, const float (&x)[8]) {
     uint4 xt[3];
     tc_split_x(x, xt);
     tc_step_split(acc, w0, w1, xt);
@@ -236,7 +240,7 @@ DEV void tc_load_terms(const uint4* xp, uint4 (&xt)[3]) {
 }
 // One step's MMAs against NT n-tiles: xb[nt] + 12 u is the step's three terms (`tc_load_terms`).
 template <int NT, bool SHARED>
-DEV void tc_step_tiles(float (&acc)[NT][3][4], const uint4& w0, const uint4& w1, const uint4* const (&xb)[NT],
+DEV void tc_step_tiles(float (&acc)[NT][4], const uint4& w0, const uint4& w1, const uint4* const (&xb)[NT],
                        int u) {
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) {
@@ -248,7 +252,7 @@ DEV void tc_step_tiles(float (&acc)[NT][3][4], const uint4& w0, const uint4& w1,
 // The MMAs of the first n (<= N) steps of a batch: w0, w1 the steps' weight fragments, xb[nt] the rows' terms at the
 // batch's first step (12 uint4 per step; SHARED: in shared memory, else read through __ldg).
 template <int N, int NT, bool SHARED>
-DEV void tc_batch_mmas(float (&acc)[NT][3][4], const uint4 (&w0)[N], const uint4 (&w1)[N], const uint4* const (&xb)[NT],
+DEV void tc_batch_mmas(float (&acc)[NT][4], const uint4 (&w0)[N], const uint4 (&w1)[N], const uint4* const (&xb)[NT],
                        u32 n) {
 #pragma unroll
     for (int u = 0; u < N; u++) {
@@ -260,7 +264,7 @@ DEV void tc_batch_mmas(float (&acc)[NT][3][4], const uint4 (&w0)[N], const uint4
 // per n-tile its three terms, read once for the MT m-tiles' MMAs. Per accumulator the MMAs run in step order, as
 // with one m-tile.
 template <int N, int NT, int MT, bool SHARED, class W>
-DEV void tc_batch_mmas_w(float (&acc)[MT][NT][3][4], const W (&w)[MT], const typename W::template Batch<N> (&b)[MT],
+DEV void tc_batch_mmas_w(float (&acc)[MT][NT][4], const W (&w)[MT], const typename W::template Batch<N> (&b)[MT],
                          const uint4* const (&xb)[NT], u32 n) {
 #pragma unroll
     for (int u = 0; u < N; u++) {
@@ -284,7 +288,7 @@ DEV void tc_batch_mmas_w(float (&acc)[MT][NT][3][4], const W (&w)[MT], const typ
 // steps also issues its loads at once (one memory latency, not one a step) and runs only its own steps' MMAs, in the
 // same order. On return xb is advanced past the full batches only (the callers set it afresh for every call).
 template <int U, int NT, int MT, bool SHARED, class W>
-DEV void tc_steps_split(float (&acc)[MT][NT][3][4], const W (&ws)[MT], u32 s0, u32 s1, const uint4* (&xb)[NT]) {
+DEV void tc_steps_split(float (&acc)[MT][NT][4], const W (&ws)[MT], u32 s0, u32 s1, const uint4* (&xb)[NT]) {
     static_assert(U >= 2, "the last partial batch holds U - 1 steps");
     W w[MT];
 #pragma unroll
@@ -310,16 +314,16 @@ DEV void tc_steps_split(float (&acc)[MT][NT][3][4], const W (&ws)[MT], u32 s0, u
     }
 }
 
-// The three terms of each MMA accumulator summed into a warp's partials pw[feature][row]: lane (g, q) holds features g
-// and g + 8 of rows 2q and 2q + 1 of each n-tile (rows from T on are not kept). linear_tc_rows and hc_read_one.
+// The MMA accumulators into a warp's partials pw[feature][row]: lane (g, q) holds features g and g + 8 of rows 2q and
+// 2q + 1 of each n-tile (rows from T on are not kept). linear_tc_rows and hc_read_one.
 template <int T, int NT>
-DEV void tc_acc_to_part(const float (&acc)[NT][3][4], float (&pw)[16][T], u32 g, u32 q) {
+DEV void tc_acc_to_part(const float (&acc)[NT][4], float (&pw)[16][T], u32 g, u32 q) {
 #pragma unroll
     for (int nt = 0; nt < NT; nt++)
 #pragma unroll
         for (int r = 0; r < 4; r++) {
             const u32 f = g + (r >= 2 ? 8 : 0), t = nt * 8 + 2 * q + (r & 1);
-            if (t < (u32)T) pw[f][t] = (acc[nt][0][r] + acc[nt][1][r]) + acc[nt][2][r];
+            if (t < (u32)T) pw[f][t] = acc[nt][r];
         }
 }
 
@@ -333,7 +337,7 @@ DEV void tc_acc_to_part(const float (&acc)[NT][3][4], float (&pw)[16][T], u32 g,
 template <int T, int U, class Store, class W, int MT = 1>
 DEV void linear_tc_rows_w(const FpLinear& a, u32 total, u32 block, u32 nblocks, const uint4* xsplit,
                           const Store& store, W w) {
-    static_assert(MT == 1 || T >= 2, "several m-tiles a warp read the rows' split terms (two rows or more)");
+
     constexpr int NT = (T + 7) / 8;
     const FpCommon& c = a.c;
     __shared__ float part[SPLIT_WARPS][16][T];
@@ -372,7 +376,7 @@ DEV void linear_tc_rows_w(const FpLinear& a, u32 total, u32 block, u32 nblocks, 
             wm[j].seek(a, steps, lane, m, s0);
         }
         for (u32 i0 = 0; i0 < total; i0 += T) {
-            float acc[MT][NT][3][4];
+            float acc[MT][NT][4];
             bool okc[NT];
             const float* xr[NT];
 #pragma unroll
@@ -383,9 +387,7 @@ DEV void linear_tc_rows_w(const FpLinear& a, u32 total, u32 block, u32 nblocks, 
 #pragma unroll
                 for (int j = 0; j < MT; j++)
 #pragma unroll
-                    for (int e = 0; e < 3; e++)
-#pragma unroll
-                        for (int r = 0; r < 4; r++) acc[j][nt][e][r] = 0.0f;
+                    for (int r = 0; r < 4; r++) acc[j][nt][r] = 0.0f;
             }
             if (lone) {
                 // Column g of the MMA is lane group g's activations: every group reads the row's (shared memory
@@ -404,8 +406,10 @@ DEV void linear_tc_rows_w(const FpLinear& a, u32 total, u32 block, u32 nblocks, 
                 tc_steps_split<U, NT, MT, false>(acc, wm, s0, s1, xb);
             } else {
                 // One row past TC_LONE_STEPS steps, or one of several rows in a tile of one:
-                // batches of U steps, the batch's weight loads all in flight, then its MMAs.
-                W ws = wm[0];
+                // batches of U steps, the batch's weight loads all in flight, then its MMAs; m-tile by m-tile.
+#pragma unroll
+                for (int j = 0; j < MT; j++) {
+                W ws = wm[j];
                 for (u32 st = s0; st < s1; st += U) {
                     typename W::template Batch<U> b;
                     ws.template load<U, false>(b, st, s1);
@@ -424,10 +428,11 @@ DEV void linear_tc_rows_w(const FpLinear& a, u32 total, u32 block, u32 nblocks, 
 #pragma unroll
                                 for (int e = 0; e < 8; e++) x[e] = 0.0f;
                             }
-                            tc_step(acc[0][nt], w0, w1, x);
+                            tc_step(acc[j][nt], w0, w1, x);
                         }
                     }
                     ws.advance(U);
+                }
                 }
             }
 #pragma unroll

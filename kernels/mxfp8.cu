@@ -9,10 +9,10 @@
 // below, where BF16 keeps fewer bits, it is rounded to nearest even exactly as the BF16 upload of the same value is).
 // Everything after the fragments (the
 // activation's three BF16 terms, the MMAs, the slices of K from `tc_split`, the epilogue, the launch shapes but at the
-// tile of 16 rows) is the BF16 linear's, so the results are bit-identical to `linear` on the same values (the GPU
-// checks compare them bit for bit) and row invariant as `linear` is. At 16 rows the MXFP8 linears keep one m-tile a
-// warp and 4 steps in flight, where `linear_t16` takes two m-tiles and 2 steps (linear.cu `LINEAR_T16`): each
-// m-tile's MMAs are the same either way.
+// tiles of 8 and 16 rows) is the BF16 linear's, so the results are bit-identical to `linear` on the same values (the
+// GPU checks compare them bit for bit) and row invariant as `linear` is. At 8 and 16 rows the MXFP8 linears keep one
+// m-tile a warp and 4 steps in flight, where `linear_t8` and `linear_t16` take two m-tiles and 4 steps of each
+// (linear.cu `LINEAR_T8`, `LINEAR_T16`): each m-tile's MMAs are the same either way.
 //
 // Decode of a pair of codes (`mx_pair`): prmt spreads the two bytes into the two 16-bit halves with each byte's
 // sign copied into the byte above it; shifted left by 4 and masked with 0x87f0 per half, a half is the BF16 with the
@@ -98,17 +98,18 @@ struct TcMxfp8Tiles {
     DEV void advance(u32 s) { tp += s * MX_TILE_BYTES; }
 };
 
-// linear.cu's linear_entry with the MXFP8 source: the same rows, slices and epilogue, one m-tile a warp.
-template <int T, int U = 4>
+// linear.cu's linear_entry with the MXFP8 source: the same rows, slices and epilogue; MT m-tiles a warp.
+template <int T, int U = 4, int MT = 1>
 DEV void linear_mxfp8_entry(const FpLinear& p, u32 block, u32 nblocks) {
-    linear_tc_rows_w<T, U>(p, linear_total(p.c, p.sub, p.gathered), block, nblocks, (const uint4*)p.c.scratch,
-                           LinearStore{}, TcMxfp8Tiles{});
+    linear_tc_rows_w<T, U, LinearStore, TcMxfp8Tiles, MT>(p, linear_total(p.c, p.sub, p.gathered), block, nblocks,
+                                                         (const uint4*)p.c.scratch, LinearStore{}, TcMxfp8Tiles{});
 }
-// One entry point per row tile, with linear.cu's launch bounds and steps in flight up to 8 rows (the tile of 16 keeps
-// one m-tile a warp, 4 steps in flight, no bounds); t1_deep where linear_t1_deep would run
-// (runtime/src/cuda/launch/linear.rs `linear_entry`).
+// One entry point per row tile, with linear.cu's launch bounds and steps in flight, but one m-tile a warp at 8 and 16
+// rows (4 steps in flight, no bounds); t1_deep where linear_t1_deep would run (runtime/src/cuda/launch/linear.rs
+// `linear_entry`), with its LINEAR_MTILES m-tiles and 4 steps of each in flight (128 registers; H200, 2026-12-04,
+// against one m-tile and 8 steps: the mxfp8-head draft step about 375 -> 356 us).
 extern "C" __global__ void __launch_bounds__(256, 3) linear_mxfp8_t1(const FpLinear p) { pdl_start(); linear_mxfp8_entry<1>(p, blockIdx.x, gridDim.x); }
-extern "C" __global__ void __launch_bounds__(256, 2) linear_mxfp8_t1_deep(const FpLinear p) { pdl_start(); linear_mxfp8_entry<1, 8>(p, blockIdx.x, gridDim.x); }
+extern "C" __global__ void __launch_bounds__(256, 2) linear_mxfp8_t1_deep(const FpLinear p) { pdl_start(); linear_mxfp8_entry<1, 4, LINEAR_MTILES>(p, blockIdx.x, gridDim.x); }
 extern "C" __global__ void __launch_bounds__(256, 3) linear_mxfp8_t2(const FpLinear p) { pdl_start(); linear_mxfp8_entry<2>(p, blockIdx.x, gridDim.x); }
 extern "C" __global__ void linear_mxfp8_t4(const FpLinear p) { pdl_start(); linear_mxfp8_entry<4>(p, blockIdx.x, gridDim.x); }
 extern "C" __global__ void linear_mxfp8_t8(const FpLinear p) { pdl_start(); linear_mxfp8_entry<8>(p, blockIdx.x, gridDim.x); }

@@ -573,11 +573,9 @@ DEV void hc_read_one(const FpHcRead& p) {
         split_chunk(Xl + (u64)t * a.k, (js / 4) * 32 + (js % 4) * 8, a.k, xvec, (real >> t) & 1, xs + j * 3);
     }
     __syncthreads();
-    float acc[1][3][4];
+    float acc[1][4];
 #pragma unroll
-    for (int e = 0; e < 3; e++)
-#pragma unroll
-        for (int i = 0; i < 4; i++) acc[0][e][i] = 0.0f;
+    for (int i = 0; i < 4; i++) acc[0][i] = 0.0f;
     const uint4* const xb[1] = {xs + (((g < (u32)T ? g : 0) * steps + s0) * 4 + q) * 3};
     tc_batch_mmas<3, 1, true>(acc, w0, w1, xb, left);
     tc_acc_to_part<T, 1>(acc, part[warp], g, q);

@@ -87,10 +87,11 @@ typedef struct FpRmsNorm {
  * then their 16 scale bytes. */
 #define MX_TILE_BYTES 528
 
-/* M-tiles of 16 features a warp of the BF16 linear's tile of 16 rows takes (linear.cu `linear_t16`,
- * `linear_multi_t16`; the launch's blocks hold as many times the features: runtime/src/cuda/launch/linear.rs
- * `tc_mtiles`). The other tiles and the MXFP8 linears take one. */
-#define LINEAR_T16_MTILES 2
+/* M-tiles of 16 features a warp takes in the BF16 linear's tiles of 8 and 16 rows and in the one-row deep linears
+ * (linear.cu `linear_t8`, `linear_t16`, `linear_t1_deep`, their `linear_multi` twins, and mxfp8.cu
+ * `linear_mxfp8_t1_deep`; the launch's blocks hold as many times the features: runtime/src/cuda/launch/linear.rs
+ * `tc_mtiles`). The other tiles, and the other MXFP8 linears, take one. */
+#define LINEAR_MTILES 2
 
 /* gathered != 0: x holds one row per stream (rows with streams[s].rows > 0). split: slices of K per output group
  * (1, 2, 4 or 8; 0 means 1), see `slice_dots` in common.cuh. linear_mxfp8 (mxfp8.cu) takes the same parameters, w

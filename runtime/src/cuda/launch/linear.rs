@@ -33,16 +33,19 @@ pub(super) fn tc_features_per_block(split: u32) -> u32 {
     16 * (8 / split)
 }
 
-/// M-tiles of 16 features each warp of a BF16 linear launch of `total` rows takes (its block then holds as many
-/// times [`tc_features_per_block`]): `LINEAR_T16_MTILES` (kernels/params.h) for the tile of 16 rows (`linear_t16`, and
-/// `linear_multi_t16` through the same row tile), else one, and one for every MXFP8 weight (`mxfp8`: the
-/// `linear_mxfp8` entry points keep one m-tile a warp). H200, lone-w16 (twentieth session): the lm_head 389.8 ->
-/// 356.3 us, the 16-row linears 672 -> 601-603 us a replay; the 8-row tile was no faster with two.
-pub(super) fn tc_mtiles(total: u32, mxfp8: bool) -> u32 {
-    if by_rows(LINEAR, total) == "linear_t16" && !mxfp8 {
-        LINEAR_T16_MTILES as u32
-    } else {
-        1
+/// M-tiles of 16 features each warp of a linear launch takes (its block then holds as many times
+/// [`tc_features_per_block`]), from the BF16 entry point `entry` ([`linear_entry`]) and whether the weight is held as
+/// MXFP8: `LINEAR_MTILES` (kernels/params.h) for the one-row deep linear (`linear_t1_deep`, `linear_mxfp8_t1_deep`) and
+/// for the BF16 tiles of 8 and 16 rows (`linear_t8`, `linear_t16` and their `linear_multi` twins through the same row
+/// tile), else one (the other MXFP8 entry points keep one m-tile a warp). H200, lone-w16 (twentieth session): the
+/// lm_head 389.8 -> 356.3 us, the 16-row linears 672 -> 601-603 us a replay; with the six MMAs of a step into one
+/// accumulator (thirty-sixth session) also the 8-row tile (lone-w8 1566 -> 1557 us) and the deep one-row lm_head
+/// (317.5 -> 306.2 us).
+pub(super) fn tc_mtiles(entry: &str, mxfp8: bool) -> u32 {
+    match entry {
+        "linear_t1_deep" => LINEAR_MTILES as u32,
+        "linear_t8" | "linear_t16" if !mxfp8 => LINEAR_MTILES as u32,
+        _ => 1,
     }
 }
 
@@ -96,8 +99,15 @@ const LINEAR_MULTI_MXFP8: ByRows = &[
 
 /// A `Linear` node's parameters, its launch's row count (sub-rows: `total`) and output features per block of
 /// `linear` or `linear_mxfp8` (kernels/linear.cuh `linear_tc_rows`: a block of 8 warps = 8 / split groups of
-/// [`tc_mtiles`] m-tiles of 16 features, each over `split` = [`tc_split`] slices of K).
-fn linear_params(a: &Addrs, v: &Variant, op: &Op) -> Result<(FpLinear, u32, u32), BackendError> {
+/// [`tc_mtiles`] m-tiles of 16 features, each over `split` = [`tc_split`] slices of K) when it runs as its own launch
+/// (`multi`: false, the entry point [`linear_entry`] picks) or in a `linear_multi` run (true: by row tile alone, never
+/// the deep one-row entry point).
+fn linear_params(
+    a: &Addrs,
+    v: &Variant,
+    op: &Op,
+    multi: bool,
+) -> Result<(FpLinear, u32, u32), BackendError> {
     let Op::Linear {
         x,
         w,
@@ -125,7 +135,12 @@ fn linear_params(a: &Addrs, v: &Variant, op: &Op) -> Result<(FpLinear, u32, u32)
         split: tc_split(*k, *n),
     };
     let total = if gathered { streams } else { streams * window } * *sub;
-    let per_block = tc_features_per_block(p.split) * tc_mtiles(total, a.is_mxfp8(*w));
+    let entry = if multi {
+        by_rows(LINEAR, total)
+    } else {
+        linear_entry(total, p.k, p.split)
+    };
+    let per_block = tc_features_per_block(p.split) * tc_mtiles(entry, a.is_mxfp8(*w));
     Ok((p, total, per_block))
 }
 
@@ -211,7 +226,7 @@ pub(super) fn linear_multi(
     };
     let (mut total, mut grid, mut mxfp8) = (0, 0, false);
     for (i, op) in ops.iter().enumerate() {
-        let (p, t, per_block) = linear_params(a, v, op)?;
+        let (p, t, per_block) = linear_params(a, v, op, true)?;
         let Op::Linear { w, .. } = op else {
             return Err(wrong_op("linear", op));
         };
@@ -292,11 +307,12 @@ pub(super) fn linear_grid(blocks: u32, total: u32, entry: &str, mxfp8: bool, sms
         // As `linear_multi` at one or two rows: one wave.
         one_wave(blocks, LINEAR_T1_BLOCKS_PER_SM, sms)
     } else if deep && mxfp8 {
-        // The drafting lm_head copy (`linear_mxfp8_t1_deep`) in one wave of 264 blocks, each looping over about 15
-        // of the 3880 blocks' features: a block's MXFP8 features are half the bytes of BF16 ones, so its set-up (the
-        // row split into shared memory, the first loads) weighs twice as much. H200, the `mxfp8-head` draft step:
-        // 373.1 / 374.5 -> 358.0 / 357.3 us (two runs each). The BF16 `linear_t1_deep` (the main model's lm_head)
-        // keeps its 3880 blocks: in one wave it was slower (300.8 -> 302.8 us).
+        // The drafting lm_head copy (`linear_mxfp8_t1_deep`) in one wave of 264 blocks, each looping over about 7
+        // of the 1940 blocks' features (15 of 3880 with one m-tile a warp): a block's MXFP8 features are half the
+        // bytes of BF16 ones, so its set-up (the row split into shared memory, the first loads) weighs twice as much.
+        // H200, the `mxfp8-head` draft step (one m-tile a warp): 373.1 / 374.5 -> 358.0 / 357.3 us (two runs each).
+        // The BF16 `linear_t1_deep` (the main model's lm_head) keeps every block (1940): in one wave it was slower
+        // (300.8 -> 302.8 us, one m-tile a warp).
         one_wave(blocks, LINEAR_T1_DEEP_BLOCKS_PER_SM, sms)
     } else {
         blocks
@@ -311,7 +327,7 @@ pub(super) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
     let Op::Linear { w, n, .. } = op else {
         return Err(wrong_op("linear", op));
     };
-    let (p, total, per_block) = linear_params(a, v, op)?;
+    let (p, total, per_block) = linear_params(a, v, op, false)?;
     let entry = linear_entry(total, p.k, p.split);
     let mxfp8 = a.is_mxfp8(*w);
     let grid = linear_grid(n.div_ceil(per_block), total, entry, mxfp8, a.sms);

@@ -750,15 +750,15 @@ fn a_copy_read_again_later_keeps_its_own_launch() {
 fn mxfp8_linears_take_the_bf16_linear_launches() {
     // Every weight held as MXFP8 against none, linears unfused and fused: the same launches with `linear_mxfp8_*`
     // for `linear_*` and `linear_multi_mxfp8_*` for `linear_multi_*` (a run of siblings all held as MXFP8 is fused as
-    // a BF16 run is), the same grids, row splits and parameters, but at the tile of 16 rows, where a BF16 warp takes
-    // LINEAR_T16_MTILES m-tiles and an MXFP8 one one (`tc_mtiles`): there each BF16 matrix has that many times fewer
-    // blocks.
+    // a BF16 run is), the same grids, row splits and parameters, but at the tiles of 8 and 16 rows, where a BF16 warp
+    // takes LINEAR_MTILES m-tiles and an MXFP8 one one (`tc_mtiles`): there each BF16 matrix has that many times
+    // fewer blocks.
     let plan = crate::cuda::fuse::tests::tiny_plan();
     let name = |k: &str| {
         k.replacen("linear_multi_", "linear_multi_mxfp8_", 1)
             .replacen("linear_t", "linear_mxfp8_t", 1)
     };
-    // Seen: one-row launches, launches after a row split, fused runs, the tile of 16 rows.
+    // Seen: one-row launches, launches after a row split, fused runs, the tiles of 8 or 16 rows.
     let mut seen = [false; 4];
     for fuse_linears in [false, true] {
         let bf = specs_with(&plan, true, SIDE_SCRATCH, 132, fuse_linears, false);
@@ -797,9 +797,9 @@ fn mxfp8_linears_take_the_bf16_linear_launches() {
                 );
                 seen[2] |= bk.starts_with("linear_multi_t");
                 assert_eq!(mk, name(bk), "{what}");
-                let mt = if bk.ends_with("_t16") {
+                let mt = if bk.ends_with("_t16") || bk.ends_with("_t8") {
                     seen[3] = true;
-                    LINEAR_T16_MTILES as u32
+                    LINEAR_MTILES as u32
                 } else {
                     1
                 };
@@ -830,7 +830,10 @@ fn mxfp8_linears_take_the_bf16_linear_launches() {
             }
         }
     }
-    assert_eq!(seen, [true; 4], "one-row, split, fused and 16-row launches");
+    assert_eq!(
+        seen, [true; 4],
+        "one-row, split, fused and 8- or 16-row launches"
+    );
 }
 
 #[test]
@@ -967,17 +970,21 @@ fn only_a_one_row_linear_of_many_steps_a_warp_runs_deep() {
 
 #[test]
 fn only_the_mxfp8_deep_linear_runs_in_one_wave_of_its_two_blocks_an_sm() {
-    // The lm_head at one row: 2 slices of K, 64 features a block, 3880 blocks.
+    // The lm_head at one row: 2 slices of K, LINEAR_MTILES m-tiles a warp in either form: 128 features a block, 1940
+    // blocks.
     let split = tc_split(2560, 248_320);
-    let blocks = 248_320u32.div_ceil(tc_features_per_block(split));
-    assert_eq!(blocks, 3880);
     let entry = linear_entry(1, 2560, split);
     assert_eq!(entry, "linear_t1_deep");
+    for mxfp8 in [false, true] {
+        assert_eq!(tc_mtiles(entry, mxfp8), LINEAR_MTILES as u32);
+    }
+    let blocks = 248_320u32.div_ceil(tc_features_per_block(split) * tc_mtiles(entry, false));
+    assert_eq!(blocks, 1940);
     // BF16: every block launched; the drafting MXFP8 copy: one wave of 2 blocks on each of 132 SMs.
-    assert_eq!(linear_grid(blocks, 1, entry, false, 132), 3880);
+    assert_eq!(linear_grid(blocks, 1, entry, false, 132), 1940);
     assert_eq!(linear_grid(blocks, 1, entry, true, 132), 264);
     // An unknown SM count keeps the grid.
-    assert_eq!(linear_grid(blocks, 1, entry, true, 0), 3880);
+    assert_eq!(linear_grid(blocks, 1, entry, true, 0), 1940);
     // Other one- and two-row linears, either form: one wave of 3 blocks an SM; wider windows keep their grids.
     let (k, n) = (2560, 10_240);
     let split = tc_split(k, n);
@@ -996,9 +1003,29 @@ fn only_the_mxfp8_deep_linear_runs_in_one_wave_of_its_two_blocks_an_sm() {
 }
 
 #[test]
+fn bf16_tiles_of_8_and_16_rows_and_the_deep_linear_take_two_m_tiles_a_warp() {
+    assert_eq!(LINEAR_MTILES, 2);
+    for (entry, bf16, mxfp8) in [
+        ("linear_t1", 1, 1),
+        ("linear_t1_deep", 2, 2),
+        ("linear_t2", 1, 1),
+        ("linear_t4", 1, 1),
+        ("linear_t8", 2, 1),
+        ("linear_t16", 2, 1),
+    ] {
+        assert_eq!(
+            (tc_mtiles(entry, false), tc_mtiles(entry, true)),
+            (bf16, mxfp8),
+            "{entry}"
+        );
+    }
+}
+
+#[test]
 fn the_mxfp8_lm_head_of_one_row_launches_one_wave_and_the_bf16_one_every_block() {
     // The tiny plan at the real hidden size and vocabulary: its one-row lm_head (2560 x 248320) runs deep, BF16 in
-    // 3880 blocks, held as MXFP8 in one wave of 2 blocks on each of 132 SMs (`linear_grid` through `spec`).
+    // 1940 blocks (two m-tiles a warp), held as MXFP8 in one wave of 2 blocks on each of 132 SMs (`linear_grid` through
+    // `spec`).
     let body = crate::cuda::fuse::tests::tiny_plan_with(|j| {
         j["vocab_size"] = 248_320.into();
         j["hidden_size"] = 2560.into();
@@ -1020,7 +1047,7 @@ fn the_mxfp8_lm_head_of_one_row_launches_one_wave_and_the_bf16_one_every_block()
             let what = format!("{} node {i}", v.kind.name());
             assert_eq!(
                 (b.grid, m.kernel),
-                ((3880, 1, 1), "linear_mxfp8_t1_deep"),
+                ((1940, 1, 1), "linear_mxfp8_t1_deep"),
                 "{what}"
             );
             assert_eq!(m.grid, (264, 1, 1), "{what}");
@@ -1035,8 +1062,8 @@ fn the_mxfp8_lm_head_of_one_row_launches_one_wave_and_the_bf16_one_every_block()
 fn sixteen_row_bf16_linears_launch_blocks_of_two_m_tiles_a_warp() {
     // Plans for 16 streams at the real hidden size and vocabulary: every linear of 16 rows (the lm_head and the
     // projections, fused into `linear_multi` or not) launches, after its row split, a grid whose blocks hold
-    // LINEAR_T16_MTILES times 8 / split m-tiles of 16 features; held as MXFP8 they keep one m-tile a warp.
-    assert_eq!(LINEAR_T16_MTILES, 2);
+    // LINEAR_MTILES times 8 / split m-tiles of 16 features; held as MXFP8 they keep one m-tile a warp.
+    assert_eq!(LINEAR_MTILES, 2);
     let body = crate::cuda::fuse::tests::tiny_plan_for(vec![16], |j| {
         j["vocab_size"] = 248_320.into();
         j["hidden_size"] = 2560.into();
