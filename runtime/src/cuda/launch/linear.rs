@@ -178,9 +178,10 @@ pub(super) fn one_wave_shares(blocks: &mut [u32], cap: u32) -> u32 {
 }
 
 /// Steps of 32 inputs per warp from which a one-row `linear` keeps 8 steps of loads in flight
-/// (`linear_t1_deep`, two blocks an SM) instead of 4: the lm_head (2560 inputs in 2 slices: 40 steps). H200, the
-/// lm_head at one row: 304.5 -> 300.7 us, lone-w1 954 -> 949 us; the GDN projections (10 steps a warp) and the
-/// output projections (24) were slower with it (27.4 -> 29.3 us, 11.2 -> 11.7 us).
+/// (`linear_t1_deep`: two m-tiles a warp, 4 steps of each; two blocks an SM) instead of 4: the lm_head (2560 inputs
+/// in 2 slices: 40 steps). H200 (one m-tile a warp, 8 steps, before the one accumulator): the lm_head at one row
+/// 304.5 -> 300.7 us, lone-w1 954 -> 949 us; the GDN projections (10 steps a warp) and the output projections (24)
+/// were slower with it (27.4 -> 29.3 us, 11.2 -> 11.7 us).
 const DEEP_STEPS: u32 = 32;
 
 /// The entry point of a `Linear` launch of `total` rows over `k` inputs in `split` slices: by row tile
