@@ -15,7 +15,8 @@ extern "C" __global__ void __launch_bounds__(256, 3) linear_t1(const FpLinear p)
 // One row with many steps a warp (the lm_head: runtime/src/cuda/launch/linear.rs `linear_entry`): LINEAR_MTILES
 // m-tiles a warp, 4 steps of each in flight (8 steps of loads, as many independent MMA chains as m-tiles: each m-tile's
 // step is six dependent MMAs into one accumulator), two blocks an SM (102 registers); the same arithmetic as
-// linear_t1. H200, 2026-12-04, one m-tile and 8 steps against two and 4: the one-row lm_head 317.5 -> 306.2 us.
+// linear_t1. H200, 2026-12-04 (A/B, one machine), one m-tile and 8 steps against two and 4: the one-row lm_head
+// 317.5 -> 307.1-307.4 us.
 extern "C" __global__ void __launch_bounds__(256, 2) linear_t1_deep(const FpLinear p) { pdl_start(); linear_entry<1, 4, LINEAR_MTILES>(p, blockIdx.x, gridDim.x); }
 extern "C" __global__ void __launch_bounds__(256, 3) linear_t2(const FpLinear p) { pdl_start(); linear_entry<2>(p, blockIdx.x, gridDim.x); }
 extern "C" __global__ void linear_t4(const FpLinear p) { pdl_start(); linear_entry<4>(p, blockIdx.x, gridDim.x); }
@@ -23,7 +24,8 @@ extern "C" __global__ void linear_t4(const FpLinear p) { pdl_start(); linear_ent
 // weights with one m-tile, read once for both), 4 steps of each in flight; at 16 rows two blocks an SM (both entry
 // points in 128 registers under their launch bounds; at 8 rows 100 and 78 unbounded). With 2 steps in flight (before
 // the terms shared one accumulator: tc_step_split) the 16-row lm_head took 355 us against 335 now (H200, 2026-12-04);
-// the 8-row tile with one m-tile: lone-w8 1565.2 / 1567.1 -> 1558.4 / 1556.4 us with two (H200, 2026-12-04).
+// the 8-row tile with one m-tile against two, the deep one-row linear with two in both: lone-w8 1565.4 / 1567.6 ->
+// 1559.9 / 1559.9 us (H200, 2026-12-04, A/B on one machine).
 #define LINEAR_T8 8, 4, LINEAR_MTILES
 extern "C" __global__ void linear_t8(const FpLinear p) { pdl_start(); linear_entry<LINEAR_T8>(p, blockIdx.x, gridDim.x); }
 #define LINEAR_T16 16, 4, LINEAR_MTILES
@@ -55,4 +57,3 @@ extern "C" __global__ void __launch_bounds__(256, 3) linear_multi_t2(const FpLin
 extern "C" __global__ void linear_multi_t4(const FpLinearMulti p) { pdl_start(); linear_multi_entry<4>(p); }
 extern "C" __global__ void linear_multi_t8(const FpLinearMulti p) { pdl_start(); linear_multi_entry<LINEAR_T8>(p); }
 extern "C" __global__ void __launch_bounds__(256, 2) linear_multi_t16(const FpLinearMulti p) { pdl_start(); linear_multi_entry<LINEAR_T16>(p); }
-

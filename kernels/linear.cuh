@@ -58,8 +58,9 @@ DEV bool linear_multi_part(const FpLinearMulti& p, FpLinear& q, u32& b, u32& nbl
 // invariance. Per step lane (g = lane / 4, q = lane % 4) loads its A fragments of feature rows g and g + 8 at
 // k = 32 step + 8 q .. + 7 (two 16-byte loads from the tiled weights, TC_TILE_U4) and the same 8 activations of
 // row g of each n-tile; MMA h (0, 1) takes k 8 q + 4 h .. + 3 (as logical k 2q, 2q + 1, 2q + 8, 2q + 9), so the K
-// permutation inside a step is the same for weights and activations. Each term has its own accumulator; per
-// (feature, row) the value is (hi + mid) + lo, then the S slices in slice order.
+// permutation inside a step is the same for weights and activations. The six MMAs of a step (MMA 0 with hi, mid,
+// lo, then MMA 1 with them) go into one accumulator (`tc_step_split`), step after step; per (feature, row) the value
+// is that sum, then the S slices in slice order.
 
 // D += A B for one m16n8k16 BF16 MMA (A: 4 registers of 2 BF16, B: 2 registers; f32 accumulators).
 DEV void mma_bf16_16816(float (&d)[4], const u32 a0, const u32 a1, const u32 a2, const u32 a3, const u32 b0,
@@ -332,12 +333,11 @@ DEV void tc_acc_to_part(const float (&acc)[NT][4], float (&pw)[16][T], u32 g, u3
 // (TcBf16Tiles: the BF16 tiles, a step's loads two unconditional 16-byte loads per lane that are its A fragments;
 // mxfp8.cu's TcMxfp8Tiles: MXFP8 tiles decoded to BF16 fragments). xsplit: the rows' terms from
 // linear_split_rows (read from two rows on); store: the epilogue (LinearStore, or norm.cu's hyper-connection mix).
-// MT: m-tiles a warp (from two rows on): warp (grp, slice) of a block takes m-tiles grp, grp + G, ... + (MT - 1) G
+// MT: m-tiles a warp (two in linear_t1_deep and the BF16 tiles of 8 and 16 rows): warp (grp, slice) of a block takes m-tiles grp, grp + G, ... + (MT - 1) G
 // of the block's G MT, each step's terms read once for all of them; each m-tile's MMAs are those of MT = 1.
 template <int T, int U, class Store, class W, int MT = 1>
 DEV void linear_tc_rows_w(const FpLinear& a, u32 total, u32 block, u32 nblocks, const uint4* xsplit,
                           const Store& store, W w) {
-
     constexpr int NT = (T + 7) / 8;
     const FpCommon& c = a.c;
     __shared__ float part[SPLIT_WARPS][16][T];
@@ -409,30 +409,30 @@ DEV void linear_tc_rows_w(const FpLinear& a, u32 total, u32 block, u32 nblocks, 
                 // batches of U steps, the batch's weight loads all in flight, then its MMAs; m-tile by m-tile.
 #pragma unroll
                 for (int j = 0; j < MT; j++) {
-                W ws = wm[j];
-                for (u32 st = s0; st < s1; st += U) {
-                    typename W::template Batch<U> b;
-                    ws.template load<U, false>(b, st, s1);
+                    W ws = wm[j];
+                    for (u32 st = s0; st < s1; st += U) {
+                        typename W::template Batch<U> b;
+                        ws.template load<U, false>(b, st, s1);
 #pragma unroll
-                    for (int u = 0; u < U; u++) {
-                        if (st + u >= s1) break;
-                        uint4 w0, w1;
-                        ws.frag(b, u, w0, w1);
-                        const u32 kk = (st + u) * 32 + q * 8;
+                        for (int u = 0; u < U; u++) {
+                            if (st + u >= s1) break;
+                            uint4 w0, w1;
+                            ws.frag(b, u, w0, w1);
+                            const u32 kk = (st + u) * 32 + q * 8;
 #pragma unroll
-                        for (int nt = 0; nt < NT; nt++) {
-                            float x[8];
-                            if (okc[nt]) {
-                                load_x8_k(xr[nt], kk, a.k, xvec, x);
-                            } else {
+                            for (int nt = 0; nt < NT; nt++) {
+                                float x[8];
+                                if (okc[nt]) {
+                                    load_x8_k(xr[nt], kk, a.k, xvec, x);
+                                } else {
 #pragma unroll
-                                for (int e = 0; e < 8; e++) x[e] = 0.0f;
+                                    for (int e = 0; e < 8; e++) x[e] = 0.0f;
+                                }
+                                tc_step(acc[j][nt], w0, w1, x);
                             }
-                            tc_step(acc[j][nt], w0, w1, x);
                         }
+                        ws.advance(U);
                     }
-                    ws.advance(U);
-                }
                 }
             }
 #pragma unroll

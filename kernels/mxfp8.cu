@@ -106,8 +106,8 @@ DEV void linear_mxfp8_entry(const FpLinear& p, u32 block, u32 nblocks) {
 }
 // One entry point per row tile, with linear.cu's launch bounds and steps in flight, but one m-tile a warp at 8 and 16
 // rows (4 steps in flight, no bounds); t1_deep where linear_t1_deep would run (runtime/src/cuda/launch/linear.rs
-// `linear_entry`), with its LINEAR_MTILES m-tiles and 4 steps of each in flight (128 registers; H200, 2026-12-04,
-// against one m-tile and 8 steps: the mxfp8-head draft step about 375 -> 356 us).
+// `linear_entry`), with its LINEAR_MTILES m-tiles and 4 steps of each in flight (128 registers; H200, 2026-12-04:
+// the mxfp8-head draft step 375.6 us with one m-tile and 8 steps, 355.8-358.3 us with two, on other machines).
 extern "C" __global__ void __launch_bounds__(256, 3) linear_mxfp8_t1(const FpLinear p) { pdl_start(); linear_mxfp8_entry<1>(p, blockIdx.x, gridDim.x); }
 extern "C" __global__ void __launch_bounds__(256, 2) linear_mxfp8_t1_deep(const FpLinear p) { pdl_start(); linear_mxfp8_entry<1, 4, LINEAR_MTILES>(p, blockIdx.x, gridDim.x); }
 extern "C" __global__ void __launch_bounds__(256, 3) linear_mxfp8_t2(const FpLinear p) { pdl_start(); linear_mxfp8_entry<2>(p, blockIdx.x, gridDim.x); }

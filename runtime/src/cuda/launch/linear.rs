@@ -39,8 +39,8 @@ pub(super) fn tc_features_per_block(split: u32) -> u32 {
 /// for the BF16 tiles of 8 and 16 rows (`linear_t8`, `linear_t16` and their `linear_multi` twins through the same row
 /// tile), else one (the other MXFP8 entry points keep one m-tile a warp). H200, lone-w16 (twentieth session): the
 /// lm_head 389.8 -> 356.3 us, the 16-row linears 672 -> 601-603 us a replay; with the six MMAs of a step into one
-/// accumulator (thirty-sixth session) also the 8-row tile (lone-w8 1566 -> 1557 us) and the deep one-row lm_head
-/// (317.5 -> 306.2 us).
+/// accumulator (thirty-sixth session, A/B on one machine) also the 8-row tile (lone-w8 1565.4 / 1567.6 -> 1559.9 /
+/// 1559.9 us) and the deep one-row lm_head (317.5 -> 307.1-307.4 us).
 pub(super) fn tc_mtiles(entry: &str, mxfp8: bool) -> u32 {
     match entry {
         "linear_t1_deep" => LINEAR_MTILES as u32,
@@ -69,7 +69,7 @@ pub(crate) fn tc_split(k: u32, n: u32) -> u32 {
 }
 
 /// `linear_mxfp8` entry points per row tile (kernels/mxfp8.cu: the BF16 linear's body decoding MXFP8 weights, with
-/// `linear`'s launch shapes but one m-tile a warp at 16 rows: [`tc_mtiles`]).
+/// `linear`'s launch shapes but one m-tile a warp at 8 and 16 rows: [`tc_mtiles`]).
 const LINEAR_MXFP8: ByRows = &[
     "linear_mxfp8_t1",
     "linear_mxfp8_t2",
