@@ -333,8 +333,9 @@ DEV void tc_acc_to_part(const float (&acc)[NT][4], float (&pw)[16][T], u32 g, u3
 // (TcBf16Tiles: the BF16 tiles, a step's loads two unconditional 16-byte loads per lane that are its A fragments;
 // mxfp8.cu's TcMxfp8Tiles: MXFP8 tiles decoded to BF16 fragments). xsplit: the rows' terms from
 // linear_split_rows (read from two rows on); store: the epilogue (LinearStore, or norm.cu's hyper-connection mix).
-// MT: m-tiles a warp (two in linear_t1_deep and the BF16 tiles of 8 and 16 rows): warp (grp, slice) of a block takes m-tiles grp, grp + G, ... + (MT - 1) G
-// of the block's G MT, each step's terms read once for all of them; each m-tile's MMAs are those of MT = 1.
+// MT: m-tiles a warp (two in linear_t1_deep and the BF16 tiles of 8 and 16 rows): warp (grp, slice) of a block
+// takes m-tiles grp, grp + G, ... + (MT - 1) G of the block's G MT, each step's terms read once for all of them;
+// each m-tile's MMAs are those of MT = 1.
 template <int T, int U, class Store, class W, int MT = 1>
 DEV void linear_tc_rows_w(const FpLinear& a, u32 total, u32 block, u32 nblocks, const uint4* xsplit,
                           const Store& store, W w) {

@@ -97,17 +97,11 @@ const LINEAR_MULTI_MXFP8: ByRows = &[
     "linear_multi_mxfp8_t16",
 ];
 
-/// A `Linear` node's parameters, its launch's row count (sub-rows: `total`) and output features per block of
-/// `linear` or `linear_mxfp8` (kernels/linear.cuh `linear_tc_rows`: a block of 8 warps = 8 / split groups of
-/// [`tc_mtiles`] m-tiles of 16 features, each over `split` = [`tc_split`] slices of K) when it runs as its own launch
-/// (`multi`: false, the entry point [`linear_entry`] picks) or in a `linear_multi` run (true: by row tile alone, never
-/// the deep one-row entry point).
-fn linear_params(
-    a: &Addrs,
-    v: &Variant,
-    op: &Op,
-    multi: bool,
-) -> Result<(FpLinear, u32, u32), BackendError> {
+/// A `Linear` node's parameters and its launch's row count (sub-rows: `total`). Its output features per block are
+/// [`tc_features_per_block`] times [`tc_mtiles`] of the entry point it runs in (kernels/linear.cuh `linear_tc_rows`:
+/// a block of 8 warps = 8 / split groups of that many m-tiles of 16 features, each over `split` = [`tc_split`] slices
+/// of K).
+fn linear_params(a: &Addrs, v: &Variant, op: &Op) -> Result<(FpLinear, u32), BackendError> {
     let Op::Linear {
         x,
         w,
@@ -135,13 +129,7 @@ fn linear_params(
         split: tc_split(*k, *n),
     };
     let total = if gathered { streams } else { streams * window } * *sub;
-    let entry = if multi {
-        by_rows(LINEAR, total)
-    } else {
-        linear_entry(total, p.k, p.split)
-    };
-    let per_block = tc_features_per_block(p.split) * tc_mtiles(entry, a.is_mxfp8(*w));
-    Ok((p, total, per_block))
+    Ok((p, total))
 }
 
 /// Blocks of `linear_t1`, `linear_t2`, `linear_multi_t1` and `linear_multi_t2` resident on one SM (their
@@ -227,11 +215,13 @@ pub(super) fn linear_multi(
     };
     let (mut total, mut grid, mut mxfp8) = (0, 0, false);
     for (i, op) in ops.iter().enumerate() {
-        let (p, t, per_block) = linear_params(a, v, op, true)?;
+        let (p, t) = linear_params(a, v, op)?;
         let Op::Linear { w, .. } = op else {
             return Err(wrong_op("linear", op));
         };
         let mx = a.is_mxfp8(*w);
+        // A run goes by row tile alone (never the deep one-row entry point).
+        let per_block = tc_features_per_block(p.split) * tc_mtiles(by_rows(LINEAR, t), mx);
         if i > 0
             && (p.x != m.x
                 || p.k != m.k
@@ -328,9 +318,10 @@ pub(super) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, Backen
     let Op::Linear { w, n, .. } = op else {
         return Err(wrong_op("linear", op));
     };
-    let (p, total, per_block) = linear_params(a, v, op, false)?;
+    let (p, total) = linear_params(a, v, op)?;
     let entry = linear_entry(total, p.k, p.split);
     let mxfp8 = a.is_mxfp8(*w);
+    let per_block = tc_features_per_block(p.split) * tc_mtiles(entry, mxfp8);
     let grid = linear_grid(n.div_ceil(per_block), total, entry, mxfp8, a.sms);
     let entry = if mxfp8 {
         mxfp8_entry(entry, total)
