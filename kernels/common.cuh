@@ -84,6 +84,21 @@ DEV void cp_async16(float* smem, const float* g) {
 DEV void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 DEV void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
+// Capacity of stage_tile's shared copy, floats (40 KB): 4 rows of 2560 (the real width). runtime/src/cuda/launch
+// `STAGE_TILE_MAX`.
+#define STAGE_TILE_MAX 10240
+// The block's copy of the n floats at X (a tile of activation rows) in shared memory xsh, which warp_dots then reads
+// instead of X: the same values, so the same sums, while the tile crosses L2 once a block instead of once a warp.
+// 16-byte copies through L2 (cp.async); a barrier before (the block's earlier readers of xsh are done) and after.
+// X 16-byte aligned, n % 4 == 0 and n <= STAGE_TILE_MAX (the launch checks: `stage_fits`).
+DEV void stage_tile(float* xsh, const float* X, u32 n) {
+    __syncthreads();
+    for (u32 q = threadIdx.x * 4; q < n; q += blockDim.x * 4) cp_async16(xsh + q, X + q);
+    cp_async_commit();
+    cp_async_wait_all();
+    __syncthreads();
+}
+
 // Grid barrier of a launch whose blocks are all on the GPU at once (the launch checks that its grid fits; a block
 // waiting here for one that cannot start would wait forever), on a u32 counter in device memory: every block adds
 // 1 but block 0, which adds 2^31 - (blocks - 1), so the adds sum to 2^31 and bit 31 of the counter flips exactly when

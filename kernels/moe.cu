@@ -47,6 +47,34 @@ DEV void router_t(const FpRouter& p, u32 R) {
     }
 }
 
+// router_t with the block's row tile staged in shared memory (stage_tile): the tiles outside the experts, so a tile
+// crosses L2 once a block (8 experts) instead of once a warp; every logit the same warp_dots sum.
+template <int T, int U, bool PRE>
+DEV void router_staged_t(const FpRouter& p, u32 R) {
+    __shared__ __align__(16) float xsh[STAGE_TILE_MAX];
+    const FpCommon& c = p.c;
+    const u32 lane = threadIdx.x & 31;
+    const u32 gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const u32 nwarps = (gridDim.x * blockDim.x) >> 5;
+    const bool wvec = (p.dim & 7) == 0 && (p.gate & 15) == 0;
+    float* L = fptr(c.scratch);
+    for (u32 i0 = blockIdx.y * T; i0 < R; i0 += gridDim.y * T) {
+        stage_tile(xsh, fptr(p.x) + (u64)i0 * p.dim, (R - i0 < T ? R - i0 : T) * p.dim);
+        bool ok[T];
+#pragma unroll
+        for (int t = 0; t < T; t++) ok[t] = i0 + t < R && row_ok(c, i0 + t, false);
+        for (u32 e = gw; e < p.experts; e += nwarps) {
+            const bf16_t* w[1] = {(const bf16_t*)p.gate + (u64)e * p.dim};
+            float res[1][T];
+            warp_dots<T, 1, U, PRE>(w, 1, xsh, p.dim, ok, p.dim, wvec, lane, res);
+            if (lane == 0)
+#pragma unroll
+                for (int t = 0; t < T; t++)
+                    if (ok[t]) L[(u64)(i0 + t) * p.experts + e] = res[0][t];
+        }
+    }
+}
+
 // Router block size of router_topk (the softmax's block trees): router_topk_warp reproduces its sums over it.
 #define ROUTER_TOPK_THREADS 1024
 
@@ -272,16 +300,22 @@ DEV void router_last_block(const FpRouter& p, u32 R) {
 // earlier warp per 2 experts with each chunk's activations loaded just before its dots (A/B ranges): w2 995-1003 ->
 // 986 us, w4 1246-1252 -> 1225, w8 1692-1701 -> 1644-1648, w16 2522-2530 -> 2496-2501 (the router's node at 16 rows
 // 54.2-55.4 -> 49.6-50.4 us).
-template <int T, int U, bool PRE, bool BLK = false>
+template <int T, int U, bool PRE, bool BLK = false, bool STAGED = false>
 DEV void router_entry(const FpRouter& p) {
     const u32 R = p.c.nstreams * p.c.window;
-    router_t<T, U, PRE>(p, R);
+    if constexpr (STAGED)
+        router_staged_t<T, U, PRE>(p, R);
+    else
+        router_t<T, U, PRE>(p, R);
     if (p.done) router_last_block<T, BLK>(p, R);
 }
 extern "C" __global__ void router_t1(const FpRouter p) { pdl_start(); router_entry<1, 10, true, true>(p); }
 extern "C" __global__ void router_t2(const FpRouter p) { pdl_start(); router_entry<2, 4, true>(p); }
 extern "C" __global__ void router_t4(const FpRouter p) { pdl_start(); router_entry<4, 2, true>(p); }
 extern "C" __global__ void router_t8(const FpRouter p) { pdl_start(); router_entry<8, 1, true>(p); }
+// router_s4: router_t4 with each row tile staged in shared memory (runtime/src/cuda/launch/moe.rs `router_logits`:
+// from 3 rows where 4 rows fit STAGE_TILE_MAX).
+extern "C" __global__ void router_s4(const FpRouter p) { pdl_start(); router_entry<4, 2, true, false, true>(p); }
 
 // Beyond 16 rows with FLASHPLAN_FUSE_SMALL, after the logits in tiles over blockIdx.y: a warp per row, 8 rows a block
 // (router_topk_warp, the fused router's per-row top-k: bit for bit router_topk's values).
@@ -658,103 +692,148 @@ extern "C" __global__ void experts_combine(const FpExperts p) {
     fptr(p.out)[d] = out;
 }
 
-// hid[r, q] = silu(gate_q . x_r) * (up_q . x_r) (warp per q, all rows); warp q == inter: sg[r] = sigmoid(scale . x_r)
-// at scratch[R * inter + r].
-template <int T, int U = 4, bool PRE = false>
+// Whether each row of the tile at i0 is real (ok[t]; false past R).
+template <int T>
+DEV void tile_ok(const FpCommon& c, u32 i0, u32 R, bool (&ok)[T]) {
+#pragma unroll
+    for (int t = 0; t < T; t++) ok[t] = i0 + t < R && row_ok(c, i0 + t, false);
+}
+
+// Warp q of the shared expert's gate/up over the row tile at i0 (its activations at X, row stride dim):
+// hid[r, q] = silu(gate_q . x_r) * (up_q . x_r); q == inter: sg[r] = sigmoid(scale . x_r) at scratch[R * inter + r].
+template <int T, int U, bool PRE>
+DEV void shared_q(const FpSharedExpert& p, u32 R, u32 q, u32 i0, const float* X, const bool (&ok)[T], bool wvec,
+                  u32 lane) {
+    const u32 D = p.dim, I = p.inter;
+    float* S = fptr(p.c.scratch);
+    const bf16_t* w[2];
+    u32 nm = 2;
+    if (q < I) {
+        w[0] = (const bf16_t*)p.gate + (u64)q * D;
+        w[1] = (const bf16_t*)p.up + (u64)q * D;
+    } else {
+        w[0] = w[1] = (const bf16_t*)p.scale;
+        nm = 1;
+    }
+    float res[2][T];
+    warp_dots<T, 2, U, PRE>(w, nm, X, D, ok, D, wvec, lane, res);
+    if (lane == 0)
+#pragma unroll
+        for (int t = 0; t < T; t++) {
+            if (!ok[t]) continue;
+            if (q < I)
+                S[(u64)(i0 + t) * I + q] = siluf_(res[0][t]) * res[1][t];
+            else
+                S[(u64)R * I + i0 + t] = sigmoidf_(res[0][t]);
+        }
+}
+
+// The shared expert's gate/up: warp per q <= inter (shared_q), all rows in tiles of T over blockIdx.y. STAGED: the
+// tiles outside the features, each staged in shared memory once a block (stage_tile); the same sums.
+template <int T, int U = 4, bool PRE = false, bool STAGED = false>
 DEV void shared_t(const FpSharedExpert& p, u32 R) {
-    const FpCommon& c = p.c;
     const u32 lane = threadIdx.x & 31;
     const u32 gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const u32 nwarps = (gridDim.x * blockDim.x) >> 5;
     const u32 D = p.dim, I = p.inter;
     const bool wvec = (D & 7) == 0 && (p.gate & 15) == 0 && (p.up & 15) == 0 && (p.scale & 15) == 0;
-    float* S = fptr(c.scratch);
-    for (u32 q = gw; q <= I; q += nwarps) {
-        const bf16_t* w[2];
-        u32 nm = 2;
-        if (q < I) {
-            w[0] = (const bf16_t*)p.gate + (u64)q * D;
-            w[1] = (const bf16_t*)p.up + (u64)q * D;
-        } else {
-            w[0] = w[1] = (const bf16_t*)p.scale;
-            nm = 1;
-        }
+    bool ok[T];
+    if constexpr (STAGED) {
+        __shared__ __align__(16) float xsh[STAGE_TILE_MAX];
         for (u32 i0 = blockIdx.y * T; i0 < R; i0 += gridDim.y * T) {
-            bool ok[T];
-#pragma unroll
-            for (int t = 0; t < T; t++) ok[t] = i0 + t < R && row_ok(c, i0 + t, false);
-            float res[2][T];
-            warp_dots<T, 2, U, PRE>(w, nm, fptr(p.x) + (u64)i0 * D, D, ok, D, wvec, lane, res);
-            if (lane == 0)
-#pragma unroll
-                for (int t = 0; t < T; t++) {
-                    if (!ok[t]) continue;
-                    if (q < I)
-                        S[(u64)(i0 + t) * I + q] = siluf_(res[0][t]) * res[1][t];
-                    else
-                        S[(u64)R * I + i0 + t] = sigmoidf_(res[0][t]);
-                }
+            stage_tile(xsh, fptr(p.x) + (u64)i0 * D, (R - i0 < T ? R - i0 : T) * D);
+            tile_ok(p.c, i0, R, ok);
+            for (u32 q = gw; q <= I; q += nwarps) shared_q<T, U, PRE>(p, R, q, i0, xsh, ok, wvec, lane);
         }
+    } else {
+        for (u32 q = gw; q <= I; q += nwarps)
+            for (u32 i0 = blockIdx.y * T; i0 < R; i0 += gridDim.y * T) {
+                tile_ok(p.c, i0, R, ok);
+                shared_q<T, U, PRE>(p, R, q, i0, fptr(p.x) + (u64)i0 * D, ok, wvec, lane);
+            }
     }
 }
 
 // shared_expert_t1: a lane's 10 chunks of each row (K = 2560 at the real width) in flight at once (H200: 8.3 -> 8.1 us
 // a node).
-template <int T, int U = 4, bool PRE = false>
+template <int T, int U = 4, bool PRE = false, bool STAGED = false>
 DEV void shared_entry(const FpSharedExpert& p) {
-    shared_t<T, U, PRE>(p, p.c.nstreams * p.c.window);
+    shared_t<T, U, PRE, STAGED>(p, p.c.nstreams * p.c.window);
 }
 extern "C" __global__ void shared_expert_t1(const FpSharedExpert p) { pdl_start(); shared_entry<1, 10, true>(p); }
 // shared_expert_t2 (tiles of 2 rows, up to 4 rows: runtime/src/cuda/launch/moe.rs `shared_expert_tiles`): 2 chunks
 // of each row in flight, loaded with the weights (PRE; 79 registers).
 extern "C" __global__ void shared_expert_t2(const FpSharedExpert p) { pdl_start(); shared_entry<2, 2, true>(p); }
 extern "C" __global__ void shared_expert_t4(const FpSharedExpert p) { pdl_start(); shared_entry<4>(p); }
+// shared_expert_s4 / shared_expert_down_s4: the tiles of 4 rows staged in shared memory (runtime/src/cuda/launch/moe.rs
+// `shared_expert_tiles`: from 5 rows where 4 rows fit STAGE_TILE_MAX).
+extern "C" __global__ void shared_expert_s4(const FpSharedExpert p) { pdl_start(); shared_entry<4, 4, false, true>(p); }
 
-// out[r, d] = fmaf(sg[r], down_d . hid[r], out[r, d]); warp per 2 features d, all rows. With keep_dots (the side
-// branch) the dots stay in the scratch after sg for experts_down, which does the same fmaf.
-template <int T, int U = 4, bool PRE = false>
+// Warp d0 of the shared expert's down over the row tile at i0 (hid at X, row stride inter): features d0, d0 + 1 (those
+// below dim); out[r, d] = fmaf(sg[r], down_d . hid[r], out[r, d]), or with keep_dots (the side branch) the dots stay
+// in the scratch after sg for experts_down, which does the same fmaf.
+template <int T, int U, bool PRE>
+DEV void shared_down_d(const FpSharedExpert& p, u32 R, u32 d0, u32 i0, const float* X, const bool (&ok)[T], bool wvec,
+                       u32 lane) {
+    const u32 D = p.dim, I = p.inter;
+    const float* S = fptr(p.c.scratch);
+    const u32 nm = D - d0 < 2 ? D - d0 : 2;
+    const bf16_t* w[2] = {(const bf16_t*)p.down + (u64)d0 * I, (const bf16_t*)p.down + (u64)(d0 + (nm > 1 ? 1 : 0)) * I};
+    float res[2][T];
+    warp_dots<T, 2, U, PRE>(w, nm, X, I, ok, I, wvec, lane, res);
+    if (lane == 0)
+#pragma unroll
+        for (int m = 0; m < 2; m++)
+#pragma unroll
+            for (int t = 0; t < T; t++) {
+                if ((u32)m >= nm || !ok[t]) continue;
+                const u64 at = (u64)(i0 + t) * D + d0 + m;
+                if (p.keep_dots) {
+                    fptr(p.c.scratch)[(u64)R * I + R + at] = res[m][t];
+                } else {
+                    float* o = fptr(p.out) + at;
+                    *o = fmaf(S[(u64)R * I + i0 + t], res[m][t], *o);
+                }
+            }
+}
+
+// The shared expert's down: warp per 2 features (shared_down_d), all rows in tiles of T over blockIdx.y. STAGED: the
+// tiles outside the features, each tile of hid staged in shared memory once a block (stage_tile); the same sums.
+template <int T, int U = 4, bool PRE = false, bool STAGED = false>
 DEV void shared_down_t(const FpSharedExpert& p, u32 R) {
-    const FpCommon& c = p.c;
     const u32 lane = threadIdx.x & 31;
     const u32 gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const u32 nwarps = (gridDim.x * blockDim.x) >> 5;
     const u32 D = p.dim, I = p.inter;
     const bool wvec = (I & 7) == 0 && (p.down & 15) == 0;
-    const float* S = fptr(c.scratch);
-    for (u32 d0 = gw * 2; d0 < D; d0 += nwarps * 2) {
-        const u32 nm = D - d0 < 2 ? D - d0 : 2;
-        const bf16_t* w[2] = {(const bf16_t*)p.down + (u64)d0 * I,
-                              (const bf16_t*)p.down + (u64)(d0 + (nm > 1 ? 1 : 0)) * I};
+    const float* S = fptr(p.c.scratch);
+    bool ok[T];
+    if constexpr (STAGED) {
+        __shared__ __align__(16) float xsh[STAGE_TILE_MAX];
         for (u32 i0 = blockIdx.y * T; i0 < R; i0 += gridDim.y * T) {
-            bool ok[T];
-#pragma unroll
-            for (int t = 0; t < T; t++) ok[t] = i0 + t < R && row_ok(c, i0 + t, false);
-            float res[2][T];
-            warp_dots<T, 2, U, PRE>(w, nm, S + (u64)i0 * I, I, ok, I, wvec, lane, res);
-            if (lane == 0)
-#pragma unroll
-                for (int m = 0; m < 2; m++)
-#pragma unroll
-                    for (int t = 0; t < T; t++) {
-                        if ((u32)m >= nm || !ok[t]) continue;
-                        const u64 at = (u64)(i0 + t) * D + d0 + m;
-                        if (p.keep_dots) {
-                            fptr(c.scratch)[(u64)R * I + R + at] = res[m][t];
-                        } else {
-                            float* o = fptr(p.out) + at;
-                            *o = fmaf(S[(u64)R * I + i0 + t], res[m][t], *o);
-                        }
-                    }
+            stage_tile(xsh, S + (u64)i0 * I, (R - i0 < T ? R - i0 : T) * I);
+            tile_ok(p.c, i0, R, ok);
+            for (u32 d0 = gw * 2; d0 < D; d0 += nwarps * 2) shared_down_d<T, U, PRE>(p, R, d0, i0, xsh, ok, wvec, lane);
         }
+    } else {
+        for (u32 d0 = gw * 2; d0 < D; d0 += nwarps * 2)
+            for (u32 i0 = blockIdx.y * T; i0 < R; i0 += gridDim.y * T) {
+                tile_ok(p.c, i0, R, ok);
+                shared_down_d<T, U, PRE>(p, R, d0, i0, S + (u64)i0 * I, ok, wvec, lane);
+            }
     }
 }
 
-template <int T, int U = 4, bool PRE = false>
+template <int T, int U = 4, bool PRE = false, bool STAGED = false>
 DEV void shared_down_entry(const FpSharedExpert& p) {
-    shared_down_t<T, U, PRE>(p, p.c.nstreams * p.c.window);
+    shared_down_t<T, U, PRE, STAGED>(p, p.c.nstreams * p.c.window);
 }
 extern "C" __global__ void shared_expert_down_t1(const FpSharedExpert p) { pdl_start(); shared_down_entry<1>(p); }
 // shared_expert_down_t2: a lane's 3 chunks of hid (I = 640 at the real width) loaded with the weights (PRE; 108
 // registers).
 extern "C" __global__ void shared_expert_down_t2(const FpSharedExpert p) { pdl_start(); shared_down_entry<2, 3, true>(p); }
 extern "C" __global__ void shared_expert_down_t4(const FpSharedExpert p) { pdl_start(); shared_down_entry<4>(p); }
+extern "C" __global__ void shared_expert_down_s4(const FpSharedExpert p) {
+    pdl_start();
+    shared_down_entry<4, 4, false, true>(p);
+}

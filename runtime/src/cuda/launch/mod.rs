@@ -215,6 +215,16 @@ type ByRows = &'static [&'static str];
 /// weights, at most 13 MB, are read again per tile mostly from L2). The tile never changes a row's arithmetic.
 const ROW_TILE_MAX: u32 = 4;
 
+/// Capacity of a block's staged row tile, floats (kernels/common.cuh `STAGE_TILE_MAX`, 40 KB of static shared
+/// memory): 4 rows of 2560, the real width.
+const STAGE_TILE_MAX: u32 = 10240;
+
+/// Whether a row tile of `floats` floats can be staged in shared memory (kernels/common.cuh `stage_tile`: at most
+/// [`STAGE_TILE_MAX`], whole 16-byte copies).
+fn stage_fits(floats: u32) -> bool {
+    floats <= STAGE_TILE_MAX && floats.is_multiple_of(4)
+}
+
 /// Entry point and grid rows for a kernel over `rows` rows in tiles of at most [`ROW_TILE_MAX`] rows.
 fn by_row_tiles(names: ByRows, rows: u32) -> (&'static str, u32) {
     let (name, tile) = by_rows_tile(names, rows.min(ROW_TILE_MAX));

@@ -4,10 +4,29 @@
 use super::linear::one_wave;
 use super::*;
 
-/// The router's logits entry points per row tile (kernels/moe.cu): up to 8 rows in one grid row with
-/// `FLASHPLAN_FUSE_SMALL`; beyond 8 rows, or without it, tiles of at most 4 rows over the grid's y, whose last blocks
-/// do the top-k up to [`ROUTER_TILES_TOPK_ROWS`] rows with the switch, else a top-k launch follows ([`topk_launch`]).
+/// The router's logits entry points per row tile (kernels/moe.cu), where [`router_logits`] does not take
+/// `router_s4`: up to 8 rows in one grid row with `FLASHPLAN_FUSE_SMALL`; beyond 8 rows, or without it, tiles of at
+/// most 4 rows over the grid's y, whose last blocks do the top-k up to [`ROUTER_TILES_TOPK_ROWS`] rows with the
+/// switch, else a top-k launch follows ([`topk_launch`]).
 const ROUTER: ByRows = &["router_t1", "router_t2", "router_t4", "router_t8"];
+
+/// The router's logits launch for `rows` rows of width `dim`: (entry point, tiles of rows over the grid's y, whether
+/// it is the one-launch form whose single grid row does every row's top-k). From 3 rows, where a tile of 4 rows fits
+/// [`stage_fits`], `router_s4` in tiles of 4 (router_t4 with each tile staged in shared memory once a block, the same
+/// logits); else [`ROUTER`]'s entry: one grid row up to [`ROUTER_ONE_LAUNCH_ROWS`] with `FLASHPLAN_FUSE_SMALL`,
+/// tiles of at most 4 beyond. H200 (thirty-eighth session, A/B passes against router_t4 / router_t8 from 3 rows, the
+/// same routing digests): lone-w4 1191.7 / 1191.7 -> 1186.7 / 1181.0 us, lone-w8 1565.9 / 1566.2 -> 1535.2 / 1527.2
+/// us, verify-s8-w1 1674.3 / 1677.5 -> 1647.3 / 1638.9 us; at 16 rows the routers 63.1 -> 59.6 us a replay.
+fn router_logits(rows: u32, dim: u32, fuse_small: bool) -> (&'static str, u32, bool) {
+    if rows >= 3 && stage_fits(4 * dim) {
+        ("router_s4", rows.div_ceil(4), false)
+    } else if fuse_small && rows <= ROUTER_ONE_LAUNCH_ROWS {
+        (by_rows(ROUTER, rows), 1, true)
+    } else {
+        let (name, tiles) = by_row_tiles(ROUTER, rows);
+        (name, tiles, false)
+    }
+}
 
 /// The shared expert's gate/up entry points per row tile (kernels/moe.cu).
 const SHARED_EXPERT: ByRows = &["shared_expert_t1", "shared_expert_t2", "shared_expert_t4"];
@@ -23,14 +42,15 @@ const SHARED_EXPERT_DOWN: ByRows = &[
 /// fused router's warp per row reproduces).
 const ROUTER_TOPK_THREADS: u32 = 1024;
 
-/// Most rows for which the router runs as one launch (`FLASHPLAN_FUSE_SMALL`): its last block's 8 warps do the
-/// top-k of every row, one row per warp up to 8 rows. Measured on the H200: faster at one row (46 against 58 us
+/// Most rows for which the router runs as one launch (`FLASHPLAN_FUSE_SMALL`, where [`router_logits`] does not take
+/// `router_s4`: at 1-2 rows, or at any row count when 4 rows do not fit the staged tile): its last block's 8 warps do
+/// the top-k of every row, one row per warp up to 8 rows. Measured on the H200: faster at one row (46 against 58 us
 /// for the replay's four routers), slower at 16 rows (238 against 218 us, against `router_topk`'s block per row),
 /// where a second top-k launch follows instead ([`topk_launch`]).
 const ROUTER_ONE_LAUNCH_ROWS: u32 = 8;
 
-/// Most rows for which the router in tiles of rows over the grid's y (beyond [`ROUTER_ONE_LAUNCH_ROWS`] rows, with
-/// `FLASHPLAN_FUSE_SMALL`) does the top-k in each tile's last block to finish (a counter per tile, warp per row), with
+/// Most rows for which the router in tiles of rows over the grid's y (`router_s4`, or beyond
+/// [`ROUTER_ONE_LAUNCH_ROWS`] rows, with `FLASHPLAN_FUSE_SMALL`) does the top-k in each tile's last block to finish (a counter per tile, warp per row), with
 /// no top-k launch after it; beyond, [`topk_launch`] follows (the same bits). H200 (thirty-second session, A/B
 /// passes against `router_topk_w` after the logits): verify-s16-w1 2397.8 / 2395.5 -> 2388.8 / 2391.9 us, lone-w12
 /// 1971.5 / 1970.4 -> 1954.5 / 1957.2 us, lone-w16 2246.0 / 2245.9 -> 2239.4 / 2245.0 us, the same routing digests;
@@ -215,12 +235,22 @@ pub(super) fn experts_spec(
 /// beyond, tiles of 4 (`_t4`). H200 (twentieth session), 4 rows in two tiles of 2 against one of 4 (3 rows take the
 /// same tiles, not measured apart): lone-w4 1226.3 / 1230.2 -> 1214.2 / 1215.8 us, verify-s4-w1 1309.2 / 1314.7 ->
 /// 1300.4 / 1300.4 us; at 2 rows `PRE` changed nothing measurable. From 5 rows on tiles of 2 were slower (lone-w16
-/// 2358-2362 -> 2388 us: on the side branch, more blocks crowd the main chain's). A row's sums are `warp_dots`'
-/// whatever the tile.
-pub(super) fn shared_expert_tiles(rows: u32) -> (&'static str, &'static str, u32) {
+/// 2358-2362 -> 2388 us: on the side branch, more blocks crowd the main chain's). The tiles of 4 are staged in shared
+/// memory once a block (`shared_expert_s4`, `shared_expert_down_s4`) where 4 rows of width `dim` and of `inter` fit
+/// [`stage_fits`]: H200 (thirty-eighth session, A/B passes), the shared experts at 16 rows 127.5 -> 100.1 us a
+/// replay, verify-s16-w1 2314.7 / 2319.6 -> 2306.4 / 2315.6 us (with `router_s4`: 2302.0 / 2304.3 us). A row's sums
+/// are `warp_dots`' whatever the tile.
+pub(super) fn shared_expert_tiles(
+    rows: u32,
+    dim: u32,
+    inter: u32,
+) -> (&'static str, &'static str, u32) {
     let n = if rows <= 4 { 2 } else { SHARED_EXPERT.len() };
     let (gate_up, tiles) = by_row_tiles(&SHARED_EXPERT[..n], rows);
     let (down, _) = by_row_tiles(&SHARED_EXPERT_DOWN[..n], rows);
+    if gate_up == "shared_expert_t4" && stage_fits(4 * dim) && stage_fits(4 * inter) {
+        return ("shared_expert_s4", "shared_expert_down_s4", tiles);
+    }
     (gate_up, down, tiles)
 }
 
@@ -265,7 +295,7 @@ pub(super) fn shared_expert_spec(
         keep_dots: side.is_some() as u32,
         pad: 0,
     };
-    let (gate_up, down, tiles) = shared_expert_tiles(rows);
+    let (gate_up, down, tiles) = shared_expert_tiles(rows, *dim, *inter);
     Ok(LaunchSpec::new(
         gate_up,
         bytes(&p),
@@ -359,8 +389,7 @@ pub(super) fn router_spec(
              1024)"
         )));
     }
-    // One grid row up to ROUTER_ONE_LAUNCH_ROWS rows (the last block's 8 warps do every row's top-k).
-    let one_launch = a.fuse_small && rows <= ROUTER_ONE_LAUNCH_ROWS;
+    let (logits, tiles, one_launch) = router_logits(rows, *dim, a.fuse_small);
     // The top-k in the logits launch's last blocks (no top-k launch after it).
     let last_blocks_topk = a.fuse_small && rows <= ROUTER_TILES_TOPK_ROWS;
     let p = FpRouter {
@@ -382,7 +411,6 @@ pub(super) fn router_spec(
     if one_launch {
         // The logits launch's last block does the top-k (warp per row; at one row all its warps), counting in the
         // node's counter (one grid row: the count is over gridDim.x blocks).
-        let logits = by_rows(ROUTER, rows);
         return Ok(one(
             logits,
             bytes(&p),
@@ -392,7 +420,6 @@ pub(super) fn router_spec(
     }
     // Beyond, tiles of rows over the grid's y: up to ROUTER_TILES_TOPK_ROWS rows each tile's last block does its
     // rows' top-k (a counter per tile), else a top-k launch follows.
-    let (logits, tiles) = by_row_tiles(ROUTER, rows);
     let spec = LaunchSpec::new(
         logits,
         bytes(&p),

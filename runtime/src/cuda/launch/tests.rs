@@ -201,7 +201,7 @@ fn the_shared_expert_runs_on_the_side_branch_and_experts_down_joins_it() {
                 .first()
                 .expect("the shared expert forks at the router");
             assert!(
-                side.kernel.starts_with("shared_expert_t"),
+                side.kernel.starts_with("shared_expert_t") || side.kernel == "shared_expert_s4",
                 "{}",
                 side.kernel
             );
@@ -644,10 +644,11 @@ fn wide_tiny_plan_for(streams: Vec<u32>) -> PlanBody {
 
 #[test]
 fn router_blocks_take_8_experts_at_every_row_count() {
-    // A warp per expert in every router entry point: 8 experts a block of 8 warps; one grid row up to 8 rows with
-    // FLASHPLAN_FUSE_SMALL, else the row tile's entry (router_t4 from 3 rows) in tiles of at most 4 rows over the
-    // grid's y, with no top-k launch up to 16 rows with the switch (each tile's last block does it), else the top-k
-    // launch (router_topk_w with the switch, router_topk without).
+    // A warp per expert in every router entry point: 8 experts a block of 8 warps; from 3 rows router_s4 (the tile of
+    // 4 rows of 2048 fits the staged tile) in tiles of 4 rows over the grid's y; below, one grid row with
+    // FLASHPLAN_FUSE_SMALL, else the row tile's entry; no top-k launch up to 16 rows with the switch (the one grid
+    // row's or each tile's last block does it), else the top-k launch (router_topk_w with the switch, router_topk
+    // without).
     // Rounds of 2 and 12 streams: windows of 1 to 36 rows.
     let body = wide_tiny_plan_for(vec![2, 12]);
     let mut seen = std::collections::BTreeSet::new();
@@ -671,7 +672,10 @@ fn router_blocks_take_8_experts_at_every_row_count() {
                     5..=8 => 8,
                     _ => 16,
                 };
-                if fuse_small && rows <= 8 {
+                if rows >= 3 {
+                    assert_eq!(sp.kernel, "router_s4", "{what}");
+                    assert_eq!(sp.grid.1, rows.div_ceil(4), "{what}");
+                } else if fuse_small {
                     assert_eq!(sp.kernel, format!("router_t{tile}"), "{what}");
                     assert_eq!(sp.grid.1, 1, "{what}");
                 } else {
@@ -1114,7 +1118,8 @@ fn sixteen_row_bf16_linears_launch_blocks_of_two_m_tiles_a_warp() {
 
 #[test]
 fn the_shared_expert_takes_tiles_of_2_rows_up_to_4_rows_and_of_4_beyond() {
-    let t = shared_expert_tiles;
+    // At the real width (2560 wide, 640 intermediate) the tiles of 4 are staged (4 rows fit STAGE_TILE_MAX floats).
+    let t = |rows| shared_expert_tiles(rows, 2560, 640);
     assert_eq!(t(1), ("shared_expert_t1", "shared_expert_down_t1", 1));
     assert_eq!(t(2), ("shared_expert_t2", "shared_expert_down_t2", 1));
     for rows in 3..=4 {
@@ -1124,6 +1129,11 @@ fn the_shared_expert_takes_tiles_of_2_rows_up_to_4_rows_and_of_4_beyond() {
         let tiles = rows.div_ceil(4);
         assert_eq!(
             t(rows),
+            ("shared_expert_s4", "shared_expert_down_s4", tiles)
+        );
+        // Too wide to stage: the same tiles read from global memory.
+        assert_eq!(
+            shared_expert_tiles(rows, 2564, 640),
             ("shared_expert_t4", "shared_expert_down_t4", tiles)
         );
     }
@@ -1139,7 +1149,15 @@ fn the_shared_expert_takes_tiles_of_2_rows_up_to_4_rows_and_of_4_beyond() {
             let Some(s) = router.side.first() else {
                 continue;
             };
-            let (gate_up, down, tiles) = t(rows);
+            let (dim, inter) = v
+                .nodes
+                .iter()
+                .find_map(|n| match n.op {
+                    Op::SharedExpert { dim, inter, .. } => Some((dim, inter)),
+                    _ => None,
+                })
+                .expect("a shared expert");
+            let (gate_up, down, tiles) = shared_expert_tiles(rows, dim, inter);
             assert_eq!((s.kernel, s.grid.1), (gate_up, tiles), "{}", v.kind.name());
             assert_eq!(
                 (s.then[0].0, s.then[0].1 .1),
