@@ -90,7 +90,8 @@ DEV void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); 
 // The block's copy of the n floats at X (a tile of activation rows) in shared memory xsh, which warp_dots then reads
 // instead of X: the same values, so the same sums, while the tile crosses L2 once a block instead of once a warp.
 // 16-byte copies through L2 (cp.async); a barrier before (the block's earlier readers of xsh are done) and after.
-// X 16-byte aligned, n % 4 == 0 and n <= STAGE_TILE_MAX (the launch checks: `stage_fits`).
+// X 16-byte aligned, n % 4 == 0 and n <= STAGE_TILE_MAX (runtime/src/cuda/launch `stage_fits` checks the first
+// tile's address, the row width and the tile's size).
 DEV void stage_tile(float* xsh, const float* X, u32 n) {
     __syncthreads();
     for (u32 q = threadIdx.x * 4; q < n; q += blockDim.x * 4) cp_async16(xsh + q, X + q);

@@ -1,6 +1,7 @@
 // Mixture of experts, each op in two launches (the runtime launches both for one node), the router in one:
-// - router (logits of every row into scratch [rows, experts], warp per expert; beyond 8 rows tiles of at most 4 rows
-//   over blockIdx.y); the last block of each grid row to finish (integer count in the node's `done` counters, one
+// - router (logits of every row into scratch [rows, experts], warp per expert; from 3 rows router_s4's tiles of 4
+//   rows over blockIdx.y, each staged in shared memory, or where they do not fit beyond 8 rows tiles of at most 4
+//   rows); the last block of each grid row to finish (integer count in the node's `done` counters, one
 //   per grid row) does the top-k of that grid row's rows, warp per row (softmax, repeated argmax with the lowest index
 //   on ties, renormalised in rank order). With done == 0 a second launch does the same: beyond 16 rows
 //   router_topk_w (the same warp per row, 8 rows a block), with FLASHPLAN_FUSE_SMALL=0 router_topk (block per row,
@@ -292,7 +293,8 @@ DEV void router_last_block(const FpRouter& p, u32 R) {
 
 // Entry points per row tile (router_t1 .. router_t8: up to 8 rows in one grid row, beyond that router_t4 in tiles
 // of 4 rows over blockIdx.y, each tile's last block doing its top-k up to 16 rows, beyond 16 with router_topk_w
-// following; with FLASHPLAN_FUSE_SMALL=0 router_topk follows). A warp takes one
+// following; with FLASHPLAN_FUSE_SMALL=0 router_topk follows; router_s4 below takes the place of all but router_t1
+// and router_t2 where its staged tile fits). A warp takes one
 // expert, 8 experts a block (runtime/src/cuda/launch/moe.rs `ROUTER_EXPERTS_PER_BLOCK`), and loads each batch's activation chunks with its
 // weights (`PRE`): router_t1 a lane's 10 chunks of the row (K = 2560 at the real width) at once, router_t2 4, router_t4
 // 2 and router_t8 1 chunk of every row (so the batch's activations stay in 128 registers a thread: two blocks an SM).
@@ -778,7 +780,8 @@ DEV void shared_down_d(const FpSharedExpert& p, u32 R, u32 d0, u32 i0, const flo
     const u32 D = p.dim, I = p.inter;
     const float* S = fptr(p.c.scratch);
     const u32 nm = D - d0 < 2 ? D - d0 : 2;
-    const bf16_t* w[2] = {(const bf16_t*)p.down + (u64)d0 * I, (const bf16_t*)p.down + (u64)(d0 + (nm > 1 ? 1 : 0)) * I};
+    const bf16_t* w[2] = {(const bf16_t*)p.down + (u64)d0 * I,
+                          (const bf16_t*)p.down + (u64)(d0 + (nm > 1 ? 1 : 0)) * I};
     float res[2][T];
     warp_dots<T, 2, U, PRE>(w, nm, X, I, ok, I, wvec, lane, res);
     if (lane == 0)

@@ -209,7 +209,7 @@ impl Addrs<'_> {
 type ByRows = &'static [&'static str];
 
 /// Most rows per block for the kernels that also spread row tiles over blocks (`blockIdx.y`: hc_read,
-/// shared_expert, shared_expert_down, and the router's logits when a top-k launch follows): beyond it
+/// shared_expert, shared_expert_down, and the router's logits in tiles: `router_s4`, or when not one launch): beyond it
 /// they take tiles of this many rows (their entry points stop at t4), one grid row of blocks per tile, instead of
 /// one block walking every tile (each lane's activation loads for all the rows of a tile wait in turn; the
 /// weights, at most 13 MB, are read again per tile mostly from L2). The tile never changes a row's arithmetic.
@@ -219,10 +219,11 @@ const ROW_TILE_MAX: u32 = 4;
 /// memory): 4 rows of 2560, the real width.
 const STAGE_TILE_MAX: u32 = 10240;
 
-/// Whether a row tile of `floats` floats can be staged in shared memory (kernels/common.cuh `stage_tile`: at most
-/// [`STAGE_TILE_MAX`], whole 16-byte copies).
-fn stage_fits(floats: u32) -> bool {
-    floats <= STAGE_TILE_MAX && floats.is_multiple_of(4)
+/// Whether a tile of 4 rows of `width` floats at device address `at` (its first row; the tiles start at rows 4k) can
+/// be staged in shared memory (kernels/common.cuh `stage_tile`): at most [`STAGE_TILE_MAX`] floats, and every row
+/// start and the source 16-byte aligned for its 16-byte copies, the last tile's too (`width % 4 == 0`).
+fn stage_fits(width: u32, at: u64) -> bool {
+    4 * width <= STAGE_TILE_MAX && width.is_multiple_of(4) && at.is_multiple_of(16)
 }
 
 /// Entry point and grid rows for a kernel over `rows` rows in tiles of at most [`ROW_TILE_MAX`] rows.

@@ -10,15 +10,20 @@ use super::*;
 /// switch, else a top-k launch follows ([`topk_launch`]).
 const ROUTER: ByRows = &["router_t1", "router_t2", "router_t4", "router_t8"];
 
-/// The router's logits launch for `rows` rows of width `dim`: (entry point, tiles of rows over the grid's y, whether
-/// it is the one-launch form whose single grid row does every row's top-k). From 3 rows, where a tile of 4 rows fits
-/// [`stage_fits`], `router_s4` in tiles of 4 (router_t4 with each tile staged in shared memory once a block, the same
-/// logits); else [`ROUTER`]'s entry: one grid row up to [`ROUTER_ONE_LAUNCH_ROWS`] with `FLASHPLAN_FUSE_SMALL`,
-/// tiles of at most 4 beyond. H200 (thirty-eighth session, A/B passes against router_t4 / router_t8 from 3 rows, the
-/// same routing digests): lone-w4 1191.7 / 1191.7 -> 1186.7 / 1181.0 us, lone-w8 1565.9 / 1566.2 -> 1535.2 / 1527.2
-/// us, verify-s8-w1 1674.3 / 1677.5 -> 1647.3 / 1638.9 us; at 16 rows the routers 63.1 -> 59.6 us a replay.
-fn router_logits(rows: u32, dim: u32, fuse_small: bool) -> (&'static str, u32, bool) {
-    if rows >= 3 && stage_fits(4 * dim) {
+/// The router's logits launch for `rows` rows: (entry point, tiles of rows over the grid's y, whether it is the
+/// one-launch form whose single grid row does every row's top-k). `staged`: whether the activations' tile of 4 rows can
+/// be staged ([`stage_fits`]). From 3 rows, where it can, `router_s4` in tiles of 4 (router_t4 with each tile staged in
+/// shared memory once a block, the same logits); else [`ROUTER`]'s entry: one grid row up to [`ROUTER_ONE_LAUNCH_ROWS`]
+/// with `FLASHPLAN_FUSE_SMALL`, tiles of at most 4 beyond. H200 (thirty-eighth session, A/B passes against router_t4 /
+/// router_t8 from 3 rows, the same routing digests): lone-w4 1191.7 / 1191.7 -> 1186.7 / 1181.0 us, lone-w8 1565.9 /
+/// 1566.2 -> 1535.2 / 1527.2 us, verify-s8-w1 1674.3 / 1677.5 -> 1647.3 / 1638.9 us; at 16 rows the routers 63.1 ->
+/// 59.6 us a replay.
+pub(super) fn router_logits(
+    rows: u32,
+    staged: bool,
+    fuse_small: bool,
+) -> (&'static str, u32, bool) {
+    if rows >= 3 && staged {
         ("router_s4", rows.div_ceil(4), false)
     } else if fuse_small && rows <= ROUTER_ONE_LAUNCH_ROWS {
         (by_rows(ROUTER, rows), 1, true)
@@ -49,12 +54,12 @@ const ROUTER_TOPK_THREADS: u32 = 1024;
 /// where a second top-k launch follows instead ([`topk_launch`]).
 const ROUTER_ONE_LAUNCH_ROWS: u32 = 8;
 
-/// Most rows for which the router in tiles of rows over the grid's y (`router_s4`, or beyond
-/// [`ROUTER_ONE_LAUNCH_ROWS`] rows, with `FLASHPLAN_FUSE_SMALL`) does the top-k in each tile's last block to finish (a counter per tile, warp per row), with
-/// no top-k launch after it; beyond, [`topk_launch`] follows (the same bits). H200 (thirty-second session, A/B
-/// passes against `router_topk_w` after the logits): verify-s16-w1 2397.8 / 2395.5 -> 2388.8 / 2391.9 us, lone-w12
-/// 1971.5 / 1970.4 -> 1954.5 / 1957.2 us, lone-w16 2246.0 / 2245.9 -> 2239.4 / 2245.0 us, the same routing digests;
-/// 16 rows in 2 tiles of 8 (`router_t8`) were slower (2412.4 / 2406.2 us at 16 streams). Not measured beyond 16 rows.
+/// Most rows for which the router in tiles of rows over the grid's y (`router_s4`, or beyond [`ROUTER_ONE_LAUNCH_ROWS`]
+/// rows, with `FLASHPLAN_FUSE_SMALL`) does the top-k in each tile's last block to finish (a counter per tile, warp per
+/// row), with no top-k launch after it; beyond, [`topk_launch`] follows (the same bits). H200 (thirty-second session,
+/// A/B passes against `router_topk_w` after the logits): verify-s16-w1 2397.8 / 2395.5 -> 2388.8 / 2391.9 us, lone-w12
+/// 1971.5 / 1970.4 -> 1954.5 / 1957.2 us, lone-w16 2246.0 / 2245.9 -> 2239.4 / 2245.0 us, the same routing digests; 16
+/// rows in 2 tiles of 8 (`router_t8`) were slower (2412.4 / 2406.2 us at 16 streams). Not measured beyond 16 rows.
 const ROUTER_TILES_TOPK_ROWS: u32 = 16;
 const _: () = assert!(ROUTER_TILES_TOPK_ROWS.div_ceil(ROW_TILE_MAX) <= NODE_COUNTERS);
 const _: () = assert!(ROUTER_ONE_LAUNCH_ROWS <= ROUTER_TILES_TOPK_ROWS);
@@ -151,10 +156,10 @@ pub(super) fn experts_one_grid(
 }
 
 /// The `Experts` node's launches (`node`: its index, for its counters): `experts` or `experts_wide` (the gate/up, warp
-/// per two pairs of features of a (row, rank): [`gate_up_entry`]), then `experts_down` or `experts_down_f4` (warp per (one or four output features, row):
-/// [`down_features`]); or at one row `experts_one` then `experts_combine` ([`experts_one_grid`]). `shared`: 0, or
-/// the side branch's shared-expert gates, its down dots following, for the last launch to add
-/// ([`branch_shared_experts`]).
+/// per two pairs of features of a (row, rank): [`gate_up_entry`]), then `experts_down` or `experts_down_f4` (warp per
+/// (one or four output features, row): [`down_features`]); or at one row `experts_one` then `experts_combine`
+/// ([`experts_one_grid`]). `shared`: 0, or the side branch's shared-expert gates, its down dots following, for the last
+/// launch to add ([`branch_shared_experts`]).
 pub(super) fn experts_spec(
     a: &Addrs,
     v: &Variant,
@@ -236,19 +241,15 @@ pub(super) fn experts_spec(
 /// same tiles, not measured apart): lone-w4 1226.3 / 1230.2 -> 1214.2 / 1215.8 us, verify-s4-w1 1309.2 / 1314.7 ->
 /// 1300.4 / 1300.4 us; at 2 rows `PRE` changed nothing measurable. From 5 rows on tiles of 2 were slower (lone-w16
 /// 2358-2362 -> 2388 us: on the side branch, more blocks crowd the main chain's). The tiles of 4 are staged in shared
-/// memory once a block (`shared_expert_s4`, `shared_expert_down_s4`) where 4 rows of width `dim` and of `inter` fit
-/// [`stage_fits`]: H200 (thirty-eighth session, A/B passes), the shared experts at 16 rows 127.5 -> 100.1 us a
+/// memory once a block (`shared_expert_s4`, `shared_expert_down_s4`) where `staged` (the caller's [`stage_fits`] of
+/// x's and hid's tiles): H200 (thirty-eighth session, A/B passes), the shared experts at 16 rows 127.5 -> 100.1 us a
 /// replay, verify-s16-w1 2314.7 / 2319.6 -> 2306.4 / 2315.6 us (with `router_s4`: 2302.0 / 2304.3 us). A row's sums
 /// are `warp_dots`' whatever the tile.
-pub(super) fn shared_expert_tiles(
-    rows: u32,
-    dim: u32,
-    inter: u32,
-) -> (&'static str, &'static str, u32) {
+pub(super) fn shared_expert_tiles(rows: u32, staged: bool) -> (&'static str, &'static str, u32) {
     let n = if rows <= 4 { 2 } else { SHARED_EXPERT.len() };
     let (gate_up, tiles) = by_row_tiles(&SHARED_EXPERT[..n], rows);
     let (down, _) = by_row_tiles(&SHARED_EXPERT_DOWN[..n], rows);
-    if gate_up == "shared_expert_t4" && stage_fits(4 * dim) && stage_fits(4 * inter) {
+    if gate_up == "shared_expert_t4" && staged {
         return ("shared_expert_s4", "shared_expert_down_s4", tiles);
     }
     (gate_up, down, tiles)
@@ -295,7 +296,9 @@ pub(super) fn shared_expert_spec(
         keep_dots: side.is_some() as u32,
         pad: 0,
     };
-    let (gate_up, down, tiles) = shared_expert_tiles(rows, *dim, *inter);
+    // hid sits at the start of the scratch (kernels/moe.cu shared_t), rows of inter floats.
+    let staged = stage_fits(*dim, p.x) && stage_fits(*inter, p.c.scratch);
+    let (gate_up, down, tiles) = shared_expert_tiles(rows, staged);
     Ok(LaunchSpec::new(
         gate_up,
         bytes(&p),
@@ -358,9 +361,9 @@ pub(super) fn branch_shared_experts(
     Ok(())
 }
 
-/// Parameters and launches of a `Router` node (`node`: its index, for its counters): its logits, and the top-k in the
-/// logits launch's last block up to [`ROUTER_ONE_LAUNCH_ROWS`] rows (`FLASHPLAN_FUSE_SMALL`), in each row tile's last
-/// block up to [`ROUTER_TILES_TOPK_ROWS`], else in a second launch ([`topk_launch`]: `router_topk_w`, or
+/// Parameters and launches of a `Router` node (`node`: its index, for its counters): its logits ([`router_logits`]),
+/// and the top-k in the one-launch form's last block (`FLASHPLAN_FUSE_SMALL`), in each row tile's last block up to
+/// [`ROUTER_TILES_TOPK_ROWS`] rows, else in a second launch ([`topk_launch`]: `router_topk_w`, or
 /// `router_topk` without the switch).
 pub(super) fn router_spec(
     a: &Addrs,
@@ -389,7 +392,6 @@ pub(super) fn router_spec(
              1024)"
         )));
     }
-    let (logits, tiles, one_launch) = router_logits(rows, *dim, a.fuse_small);
     // The top-k in the logits launch's last blocks (no top-k launch after it).
     let last_blocks_topk = a.fuse_small && rows <= ROUTER_TILES_TOPK_ROWS;
     let p = FpRouter {
@@ -408,6 +410,7 @@ pub(super) fn router_spec(
         dim: *dim,
         norm: *norm as u32,
     };
+    let (logits, tiles, one_launch) = router_logits(rows, stage_fits(*dim, p.x), a.fuse_small);
     if one_launch {
         // The logits launch's last block does the top-k (warp per row; at one row all its warps), counting in the
         // node's counter (one grid row: the count is over gridDim.x blocks).

@@ -1118,8 +1118,8 @@ fn sixteen_row_bf16_linears_launch_blocks_of_two_m_tiles_a_warp() {
 
 #[test]
 fn the_shared_expert_takes_tiles_of_2_rows_up_to_4_rows_and_of_4_beyond() {
-    // At the real width (2560 wide, 640 intermediate) the tiles of 4 are staged (4 rows fit STAGE_TILE_MAX floats).
-    let t = |rows| shared_expert_tiles(rows, 2560, 640);
+    // Where the tiles of 4 can be staged (`stage_fits`), they are from 5 rows on.
+    let t = |rows| shared_expert_tiles(rows, true);
     assert_eq!(t(1), ("shared_expert_t1", "shared_expert_down_t1", 1));
     assert_eq!(t(2), ("shared_expert_t2", "shared_expert_down_t2", 1));
     for rows in 3..=4 {
@@ -1131,9 +1131,9 @@ fn the_shared_expert_takes_tiles_of_2_rows_up_to_4_rows_and_of_4_beyond() {
             t(rows),
             ("shared_expert_s4", "shared_expert_down_s4", tiles)
         );
-        // Too wide to stage: the same tiles read from global memory.
+        // Not stageable: the same tiles read from global memory.
         assert_eq!(
-            shared_expert_tiles(rows, 2564, 640),
+            shared_expert_tiles(rows, false),
             ("shared_expert_t4", "shared_expert_down_t4", tiles)
         );
     }
@@ -1157,7 +1157,18 @@ fn the_shared_expert_takes_tiles_of_2_rows_up_to_4_rows_and_of_4_beyond() {
                     _ => None,
                 })
                 .expect("a shared expert");
-            let (gate_up, down, tiles) = shared_expert_tiles(rows, dim, inter);
+            // The tiny plan's tiles of 4 rows fit the staged tile (and its buffers are aligned for it).
+            assert!(
+                stage_fits(dim, 0) && stage_fits(inter, 0),
+                "{dim} / {inter}"
+            );
+            let (gate_up, down, tiles) = shared_expert_tiles(rows, true);
+            assert_eq!(
+                gate_up == "shared_expert_s4",
+                rows >= 5,
+                "{}",
+                v.kind.name()
+            );
             assert_eq!((s.kernel, s.grid.1), (gate_up, tiles), "{}", v.kind.name());
             assert_eq!(
                 (s.then[0].0, s.then[0].1 .1),
@@ -1378,6 +1389,52 @@ fn bounded_to_barrier_block(src: &str, name: &str) -> bool {
         l.contains(&format!(" {name}("))
             && l.contains(&format!("__launch_bounds__({BARRIER_BLOCK},"))
     })
+}
+
+#[test]
+fn the_staged_tile_matches_the_kernel_define_and_checks_width_alignment_and_size() {
+    let src = include_str!("../../../../kernels/common.cuh");
+    assert_eq!(kernel_define(src, "STAGE_TILE_MAX"), STAGE_TILE_MAX);
+    // 4 rows of the real width fill it; one more float a row, a width that is no whole 16-byte copies, or a
+    // misaligned first row do not fit.
+    assert!(stage_fits(2560, 256) && stage_fits(640, 0) && stage_fits(4, 16));
+    assert!(!stage_fits(2564, 256));
+    assert!(!stage_fits(2558, 256));
+    assert!(!stage_fits(2560, 8));
+}
+
+#[test]
+fn the_router_takes_router_s4_from_3_rows_only_where_its_tile_is_staged() {
+    for fuse_small in [false, true] {
+        for rows in 1..=36u32 {
+            let what = format!("{rows} rows, fuse_small {fuse_small}");
+            let staged = router_logits(rows, true, fuse_small);
+            let unstaged = router_logits(rows, false, fuse_small);
+            if rows >= 3 {
+                assert_eq!(staged, ("router_s4", rows.div_ceil(4), false), "{what}");
+            } else {
+                assert_eq!(staged, unstaged, "{what}");
+            }
+            // Unstaged: one grid row up to 8 rows with the switch, else the row tile's entry in tiles of at most 4.
+            let tile = match rows {
+                1 => 1,
+                2 => 2,
+                3..=4 => 4,
+                _ => 8,
+            };
+            let want = if fuse_small && rows <= 8 {
+                (format!("router_t{tile}"), 1, true)
+            } else {
+                let tile = tile.min(4);
+                (format!("router_t{tile}"), rows.div_ceil(tile), false)
+            };
+            assert_eq!(
+                (unstaged.0.to_string(), unstaged.1, unstaged.2),
+                want,
+                "{what}"
+            );
+        }
+    }
 }
 
 #[test]
