@@ -22,57 +22,49 @@
 #define MOE_MAX_EXPERTS 1024
 #define MOE_MAX_TOPK 32
 
-// The logits of rows i0 .. of every expert: a warp per expert (8 a block: runtime/src/cuda/launch/moe.rs
-// `ROUTER_EXPERTS_PER_BLOCK`), the rows in tiles of T, tile blockIdx.y first.
-template <int T, int U, bool PRE>
-DEV void router_t(const FpRouter& p, u32 R) {
-    const FpCommon& c = p.c;
-    const u32 lane = threadIdx.x & 31;
-    const u32 gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    const u32 nwarps = (gridDim.x * blockDim.x) >> 5;
-    const bool wvec = (p.dim & 7) == 0 && (p.gate & 15) == 0;
-    float* L = fptr(c.scratch);
-    for (u32 e = gw; e < p.experts; e += nwarps) {
-        const bf16_t* w[1] = {(const bf16_t*)p.gate + (u64)e * p.dim};
-        for (u32 i0 = blockIdx.y * T; i0 < R; i0 += gridDim.y * T) {
-            bool ok[T];
+// Whether each row of the tile at i0 is real (ok[t]; false past R).
+template <int T>
+DEV void tile_ok(const FpCommon& c, u32 i0, u32 R, bool (&ok)[T]) {
 #pragma unroll
-            for (int t = 0; t < T; t++) ok[t] = i0 + t < R && row_ok(c, i0 + t, false);
-            float res[1][T];
-            warp_dots<T, 1, U, PRE>(w, 1, fptr(p.x) + (u64)i0 * p.dim, p.dim, ok, p.dim, wvec, lane, res);
-            if (lane == 0)
-#pragma unroll
-                for (int t = 0; t < T; t++)
-                    if (ok[t]) L[(u64)(i0 + t) * p.experts + e] = res[0][t];
-        }
-    }
+    for (int t = 0; t < T; t++) ok[t] = i0 + t < R && row_ok(c, i0 + t, false);
 }
 
-// router_t with the block's row tile staged in shared memory (stage_tile): the tiles outside the experts, so a tile
-// crosses L2 once a block (8 experts) instead of once a warp; every logit the same warp_dots sum.
+// Warp e's logits of the row tile at i0 (its activations at X, row stride dim) into scratch [rows, experts].
 template <int T, int U, bool PRE>
-DEV void router_staged_t(const FpRouter& p, u32 R) {
-    __shared__ __align__(16) float xsh[STAGE_TILE_MAX];
-    const FpCommon& c = p.c;
+DEV void router_e(const FpRouter& p, u32 e, u32 i0, const float* X, const bool (&ok)[T], bool wvec, u32 lane) {
+    const bf16_t* w[1] = {(const bf16_t*)p.gate + (u64)e * p.dim};
+    float res[1][T];
+    warp_dots<T, 1, U, PRE>(w, 1, X, p.dim, ok, p.dim, wvec, lane, res);
+    if (lane == 0)
+#pragma unroll
+        for (int t = 0; t < T; t++)
+            if (ok[t]) fptr(p.c.scratch)[(u64)(i0 + t) * p.experts + e] = res[0][t];
+}
+
+// The logits of every row and expert: a warp per expert (router_e; 8 a block: runtime/src/cuda/launch/moe.rs
+// `ROUTER_EXPERTS_PER_BLOCK`), the rows in tiles of T, tile blockIdx.y first. STAGED: the tiles outside the
+// experts, each staged in shared memory once a block (stage_tile), so a tile crosses L2 once a block (8 experts)
+// instead of once a warp; every logit the same warp_dots sum.
+template <int T, int U, bool PRE, bool STAGED = false>
+DEV void router_t(const FpRouter& p, u32 R) {
     const u32 lane = threadIdx.x & 31;
     const u32 gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const u32 nwarps = (gridDim.x * blockDim.x) >> 5;
     const bool wvec = (p.dim & 7) == 0 && (p.gate & 15) == 0;
-    float* L = fptr(c.scratch);
-    for (u32 i0 = blockIdx.y * T; i0 < R; i0 += gridDim.y * T) {
-        stage_tile(xsh, fptr(p.x) + (u64)i0 * p.dim, (R - i0 < T ? R - i0 : T) * p.dim);
-        bool ok[T];
-#pragma unroll
-        for (int t = 0; t < T; t++) ok[t] = i0 + t < R && row_ok(c, i0 + t, false);
-        for (u32 e = gw; e < p.experts; e += nwarps) {
-            const bf16_t* w[1] = {(const bf16_t*)p.gate + (u64)e * p.dim};
-            float res[1][T];
-            warp_dots<T, 1, U, PRE>(w, 1, xsh, p.dim, ok, p.dim, wvec, lane, res);
-            if (lane == 0)
-#pragma unroll
-                for (int t = 0; t < T; t++)
-                    if (ok[t]) L[(u64)(i0 + t) * p.experts + e] = res[0][t];
+    bool ok[T];
+    if constexpr (STAGED) {
+        __shared__ __align__(16) float xsh[STAGE_TILE_MAX];
+        for (u32 i0 = blockIdx.y * T; i0 < R; i0 += gridDim.y * T) {
+            stage_tile(xsh, fptr(p.x) + (u64)i0 * p.dim, (R - i0 < T ? R - i0 : T) * p.dim);
+            tile_ok(p.c, i0, R, ok);
+            for (u32 e = gw; e < p.experts; e += nwarps) router_e<T, U, PRE>(p, e, i0, xsh, ok, wvec, lane);
         }
+    } else {
+        for (u32 e = gw; e < p.experts; e += nwarps)
+            for (u32 i0 = blockIdx.y * T; i0 < R; i0 += gridDim.y * T) {
+                tile_ok(p.c, i0, R, ok);
+                router_e<T, U, PRE>(p, e, i0, fptr(p.x) + (u64)i0 * p.dim, ok, wvec, lane);
+            }
     }
 }
 
@@ -305,10 +297,7 @@ DEV void router_last_block(const FpRouter& p, u32 R) {
 template <int T, int U, bool PRE, bool BLK = false, bool STAGED = false>
 DEV void router_entry(const FpRouter& p) {
     const u32 R = p.c.nstreams * p.c.window;
-    if constexpr (STAGED)
-        router_staged_t<T, U, PRE>(p, R);
-    else
-        router_t<T, U, PRE>(p, R);
+    router_t<T, U, PRE, STAGED>(p, R);
     if (p.done) router_last_block<T, BLK>(p, R);
 }
 extern "C" __global__ void router_t1(const FpRouter p) { pdl_start(); router_entry<1, 10, true, true>(p); }
@@ -692,13 +681,6 @@ extern "C" __global__ void experts_combine(const FpExperts p) {
     for (u32 i = 0; i < p.topk; i++) out = fmaf(fptr(p.weights)[i], part[(u64)i * D + d], out);
     if (p.shared) out = fmaf(fptr(p.shared)[0], fptr(p.shared)[1 + (u64)d], out);
     fptr(p.out)[d] = out;
-}
-
-// Whether each row of the tile at i0 is real (ok[t]; false past R).
-template <int T>
-DEV void tile_ok(const FpCommon& c, u32 i0, u32 R, bool (&ok)[T]) {
-#pragma unroll
-    for (int t = 0; t < T; t++) ok[t] = i0 + t < R && row_ok(c, i0 + t, false);
 }
 
 // Warp q of the shared expert's gate/up over the row tile at i0 (its activations at X, row stride dim):
