@@ -29,6 +29,31 @@ DEV void tile_ok(const FpCommon& c, u32 i0, u32 R, bool (&ok)[T]) {
     for (int t = 0; t < T; t++) ok[t] = i0 + t < R && row_ok(c, i0 + t, false);
 }
 
+// The two loop shapes of the warp-per-item kernels over row tiles of T (tile blockIdx.y first, gridDim.y tiles apart):
+// item(q, i0, Xt, ok) for the warp's items q = first, first + step, ... while more(q), and every tile i0 < R, where
+// Xt is the tile's rows (row stride width) and ok its real rows (tile_ok). STAGED: the tiles outside the items, each
+// staged in shared memory once a block (stage_tile), so a tile crosses L2 once a block instead of once a warp;
+// otherwise the items outside the tiles, Xt in place at X. The same values either way, so the same sums.
+template <int T, bool STAGED, class More, class Item>
+DEV void over_row_tiles(const FpCommon& c, const float* X, u32 width, u32 R, u32 first, u32 step, More more,
+                        Item item) {
+    bool ok[T];
+    if constexpr (STAGED) {
+        __shared__ __align__(16) float xsh[STAGE_TILE_MAX];
+        for (u32 i0 = blockIdx.y * T; i0 < R; i0 += gridDim.y * T) {
+            stage_tile(xsh, X + (u64)i0 * width, (R - i0 < T ? R - i0 : T) * width);
+            tile_ok(c, i0, R, ok);
+            for (u32 q = first; more(q); q += step) item(q, i0, (const float*)xsh, ok);
+        }
+    } else {
+        for (u32 q = first; more(q); q += step)
+            for (u32 i0 = blockIdx.y * T; i0 < R; i0 += gridDim.y * T) {
+                tile_ok(c, i0, R, ok);
+                item(q, i0, X + (u64)i0 * width, ok);
+            }
+    }
+}
+
 // Warp e's logits of the row tile at i0 (its activations at X, row stride dim) into scratch [rows, experts].
 template <int T, int U, bool PRE>
 DEV void router_e(const FpRouter& p, u32 e, u32 i0, const float* X, const bool (&ok)[T], bool wvec, u32 lane) {
@@ -42,30 +67,17 @@ DEV void router_e(const FpRouter& p, u32 e, u32 i0, const float* X, const bool (
 }
 
 // The logits of every row and expert: a warp per expert (router_e; 8 a block: runtime/src/cuda/launch/moe.rs
-// `ROUTER_EXPERTS_PER_BLOCK`), the rows in tiles of T, tile blockIdx.y first. STAGED: the tiles outside the
-// experts, each staged in shared memory once a block (stage_tile), so a tile crosses L2 once a block (8 experts)
-// instead of once a warp; every logit the same warp_dots sum.
+// `ROUTER_EXPERTS_PER_BLOCK`), the rows in tiles of T, tile blockIdx.y first (over_row_tiles; STAGED: each tile
+// staged in shared memory once a block); every logit the same warp_dots sum.
 template <int T, int U, bool PRE, bool STAGED = false>
 DEV void router_t(const FpRouter& p, u32 R) {
     const u32 lane = threadIdx.x & 31;
     const u32 gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const u32 nwarps = (gridDim.x * blockDim.x) >> 5;
     const bool wvec = (p.dim & 7) == 0 && (p.gate & 15) == 0;
-    bool ok[T];
-    if constexpr (STAGED) {
-        __shared__ __align__(16) float xsh[STAGE_TILE_MAX];
-        for (u32 i0 = blockIdx.y * T; i0 < R; i0 += gridDim.y * T) {
-            stage_tile(xsh, fptr(p.x) + (u64)i0 * p.dim, (R - i0 < T ? R - i0 : T) * p.dim);
-            tile_ok(p.c, i0, R, ok);
-            for (u32 e = gw; e < p.experts; e += nwarps) router_e<T, U, PRE>(p, e, i0, xsh, ok, wvec, lane);
-        }
-    } else {
-        for (u32 e = gw; e < p.experts; e += nwarps)
-            for (u32 i0 = blockIdx.y * T; i0 < R; i0 += gridDim.y * T) {
-                tile_ok(p.c, i0, R, ok);
-                router_e<T, U, PRE>(p, e, i0, fptr(p.x) + (u64)i0 * p.dim, ok, wvec, lane);
-            }
-    }
+    over_row_tiles<T, STAGED>(
+        p.c, fptr(p.x), p.dim, R, gw, nwarps, [&](u32 e) { return e < p.experts; },
+        [&](u32 e, u32 i0, const float* X, const bool(&ok)[T]) { router_e<T, U, PRE>(p, e, i0, X, ok, wvec, lane); });
 }
 
 // Router block size of router_topk (the softmax's block trees): router_topk_warp reproduces its sums over it.
@@ -717,8 +729,8 @@ DEV void shared_q(const FpSharedExpert& p, u32 R, u32 q, u32 i0, const float* X,
         }
 }
 
-// The shared expert's gate/up: warp per q <= inter (shared_q), all rows in tiles of T over blockIdx.y. STAGED: the
-// tiles outside the features, each staged in shared memory once a block (stage_tile); the same sums.
+// The shared expert's gate/up: warp per q <= inter (shared_q), all rows in tiles of T over blockIdx.y
+// (over_row_tiles; STAGED: each tile staged in shared memory once a block); the same sums.
 template <int T, int U = 4, bool PRE = false, bool STAGED = false>
 DEV void shared_t(const FpSharedExpert& p, u32 R) {
     const u32 lane = threadIdx.x & 31;
@@ -726,21 +738,9 @@ DEV void shared_t(const FpSharedExpert& p, u32 R) {
     const u32 nwarps = (gridDim.x * blockDim.x) >> 5;
     const u32 D = p.dim, I = p.inter;
     const bool wvec = (D & 7) == 0 && (p.gate & 15) == 0 && (p.up & 15) == 0 && (p.scale & 15) == 0;
-    bool ok[T];
-    if constexpr (STAGED) {
-        __shared__ __align__(16) float xsh[STAGE_TILE_MAX];
-        for (u32 i0 = blockIdx.y * T; i0 < R; i0 += gridDim.y * T) {
-            stage_tile(xsh, fptr(p.x) + (u64)i0 * D, (R - i0 < T ? R - i0 : T) * D);
-            tile_ok(p.c, i0, R, ok);
-            for (u32 q = gw; q <= I; q += nwarps) shared_q<T, U, PRE>(p, R, q, i0, xsh, ok, wvec, lane);
-        }
-    } else {
-        for (u32 q = gw; q <= I; q += nwarps)
-            for (u32 i0 = blockIdx.y * T; i0 < R; i0 += gridDim.y * T) {
-                tile_ok(p.c, i0, R, ok);
-                shared_q<T, U, PRE>(p, R, q, i0, fptr(p.x) + (u64)i0 * D, ok, wvec, lane);
-            }
-    }
+    over_row_tiles<T, STAGED>(
+        p.c, fptr(p.x), D, R, gw, nwarps, [&](u32 q) { return q <= I; },
+        [&](u32 q, u32 i0, const float* X, const bool(&ok)[T]) { shared_q<T, U, PRE>(p, R, q, i0, X, ok, wvec, lane); });
 }
 
 // shared_expert_t1: a lane's 10 chunks of each row (K = 2560 at the real width) in flight at once (H200: 8.3 -> 8.1 us
@@ -787,8 +787,8 @@ DEV void shared_down_d(const FpSharedExpert& p, u32 R, u32 d0, u32 i0, const flo
             }
 }
 
-// The shared expert's down: warp per 2 features (shared_down_d), all rows in tiles of T over blockIdx.y. STAGED: the
-// tiles outside the features, each tile of hid staged in shared memory once a block (stage_tile); the same sums.
+// The shared expert's down: warp per 2 features (shared_down_d), all rows in tiles of T over blockIdx.y
+// (over_row_tiles over hid; STAGED: each tile of hid staged in shared memory once a block); the same sums.
 template <int T, int U = 4, bool PRE = false, bool STAGED = false>
 DEV void shared_down_t(const FpSharedExpert& p, u32 R) {
     const u32 lane = threadIdx.x & 31;
@@ -796,22 +796,11 @@ DEV void shared_down_t(const FpSharedExpert& p, u32 R) {
     const u32 nwarps = (gridDim.x * blockDim.x) >> 5;
     const u32 D = p.dim, I = p.inter;
     const bool wvec = (I & 7) == 0 && (p.down & 15) == 0;
-    const float* S = fptr(p.c.scratch);
-    bool ok[T];
-    if constexpr (STAGED) {
-        __shared__ __align__(16) float xsh[STAGE_TILE_MAX];
-        for (u32 i0 = blockIdx.y * T; i0 < R; i0 += gridDim.y * T) {
-            stage_tile(xsh, S + (u64)i0 * I, (R - i0 < T ? R - i0 : T) * I);
-            tile_ok(p.c, i0, R, ok);
-            for (u32 d0 = gw * 2; d0 < D; d0 += nwarps * 2) shared_down_d<T, U, PRE>(p, R, d0, i0, xsh, ok, wvec, lane);
-        }
-    } else {
-        for (u32 d0 = gw * 2; d0 < D; d0 += nwarps * 2)
-            for (u32 i0 = blockIdx.y * T; i0 < R; i0 += gridDim.y * T) {
-                tile_ok(p.c, i0, R, ok);
-                shared_down_d<T, U, PRE>(p, R, d0, i0, S + (u64)i0 * I, ok, wvec, lane);
-            }
-    }
+    over_row_tiles<T, STAGED>(
+        p.c, fptr(p.c.scratch), I, R, gw * 2, nwarps * 2, [&](u32 d0) { return d0 < D; },
+        [&](u32 d0, u32 i0, const float* X, const bool(&ok)[T]) {
+            shared_down_d<T, U, PRE>(p, R, d0, i0, X, ok, wvec, lane);
+        });
 }
 
 template <int T, int U = 4, bool PRE = false, bool STAGED = false>
