@@ -10,7 +10,10 @@
 #      another commit (git worktree add), copy its gpu-ab/NAME.tar.xz into this tree's gpu-ab/ to run both.
 #   2. On the H200, through the device `run` tool, with carry ["gpu-ab"]:
 #                                                bash scripts/gpu_ab.sh run NAME[:MODE] [NAME[:MODE] ...]
-#      (the tree plus what travels must stay under the device copy limit: two builds at a time fit.) NAME:MODE runs
+#      (the tree, about 61 MiB, plus what travels must stay under the device copy limit of 64 MiB: one build of 2.1 MB
+#      fits a call. For two, carry the first alone with `bash scripts/gpu_ab.sh stage NAME`, which unpacks it under
+#      /tmp there, then the second with the run, on the same warm machine: `run` unpacks only builds not there yet,
+#      so a build staged earlier must not be repacked under its name in between.) NAME:MODE runs
 #      build NAME with FLASHPLAN_AB=MODE, for a temporary switch in the code that picks between variants of one
 #      build (read it with std::env::var("FLASHPLAN_AB") and remove it before the commit); its outputs go to
 #      $OUT/NAME-MODE.PASS.txt. GPU_AB_ARGS adds gpu_bench arguments to every run (e.g. "--streams" for the
@@ -62,6 +65,14 @@ pack)
     rm -rf "$tmp"
     du -sh "gpu-ab/$name.tar.xz"
     echo "now: run(command='bash scripts/gpu_ab.sh run A B', carry=['gpu-ab'])"
+    ;;
+stage)
+    [ "$#" -ge 1 ] || { echo "usage: $0 stage NAME [NAME ...]" >&2; exit 2; }
+    for arg in "$@"; do
+        rm -rf "/tmp/${arg%%:*}"
+        build "$arg"
+        echo "staged /tmp/$name"
+    done
     ;;
 run)
     [ "$#" -ge 1 ] || { echo "usage: $0 run NAME[:MODE] [NAME[:MODE] ...]" >&2; exit 2; }
@@ -128,7 +139,7 @@ PY
     }
     ;;
 *)
-    echo "usage: $0 pack NAME | run NAME[:MODE] [NAME[:MODE] ...] | ncu NAME[:MODE] KERNEL_REGEX" >&2
+    echo "usage: $0 pack NAME | stage NAME [NAME ...] | run NAME[:MODE] [NAME[:MODE] ...] | ncu NAME[:MODE] KERNEL_REGEX" >&2
     exit 2
     ;;
 esac

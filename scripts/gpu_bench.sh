@@ -5,7 +5,10 @@
 #      gpu_check.sh build (test binary and cubin cache in gpu-bin/), plus the release example gpu_bench.
 #   2. On the H200, through the device `run` tool, with carry ["gpu-pack"]:
 #                       tar xJf gpu-pack/gpu-bin.tar.xz && bash scripts/gpu_bench.sh run [--no-checks] [gpu_bench args]
-#      runs the GPU checks (table), then the benchmark (tables also written to $OUT/bench.md when $OUT is set).
+#      runs the GPU checks of tests/gpu.rs (table) where their binary is in gpu-bin/ (the pack leaves it out, to stay
+#      under the device copy limit: unpack gpu-pack-gpu/gpu.tar.xz, from the same build, in an earlier call on the
+#      same warm machine, or run scripts/gpu_check.sh there), then the benchmark (tables also written to
+#      $OUT/bench.md when $OUT is set).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode="${1:-build}"
@@ -17,9 +20,9 @@ build)
     cp target/release/examples/gpu_bench gpu-bin/gpu-bench
     strip gpu-bin/gpu-bench
     gzip -9f gpu-bin/gpu-bench
-    # What travels: gpu-pack/gpu-bin.tar.xz (the issue-4 checks, the bench and the cubins; the working tree plus the
-    # carried files must stay under the device copy limit). The run command unpacks it first.
-    bash scripts/gpu_check.sh pack gpu-pack gpu-bin.tar.xz gpu-test gpu-bench
+    # What travels: gpu-pack/gpu-bin.tar.xz (the bench and the cubins; the working tree plus the carried files must
+    # stay under the device copy limit, so the checks' binary travels in gpu-pack-gpu). The run command unpacks it.
+    bash scripts/gpu_check.sh pack gpu-pack gpu-bin.tar.xz gpu-bench
     du -sh gpu-pack
     echo "now: run(command='tar xJf gpu-pack/gpu-bin.tar.xz && bash scripts/gpu_bench.sh run', carry=['gpu-pack'])"
     ;;
@@ -27,6 +30,8 @@ run)
     rc=0
     if [ "${1:-}" = "--no-checks" ]; then
         shift
+    elif [ ! -e gpu-bin/gpu-test ] && [ ! -e gpu-bin/gpu-test.gz ]; then
+        echo "gpu checks: not run (gpu-bin/ has no gpu-test: unpack gpu-pack-gpu/gpu.tar.xz of this build first)"
     else
         bash scripts/gpu_check.sh run gpu >/tmp/checks.out 2>&1 || rc=$?
         grep -E '^\||^GPU:|^test result|panicked|FAIL' /tmp/checks.out || tail -30 /tmp/checks.out
