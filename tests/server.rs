@@ -377,6 +377,24 @@ fn models_health_metrics_tokenize() {
     );
     assert_eq!(c.status, 200, "{}", c.body);
     assert!(c.json()["count"].as_u64().unwrap_or(0) > 0);
+    // The served model's name is accepted, another one is a 404 as on the generation endpoints; an id outside
+    // the vocabulary is an invalid_token_id as there.
+    let ok = post(
+        "/tokenize",
+        &json!({"prompt": "x", "model": "flashnext-tiny"}).to_string(),
+    );
+    assert_eq!(ok.status, 200, "{}", ok.body);
+    for (path, body) in [
+        ("/tokenize", json!({"prompt": "x", "model": "other"})),
+        ("/detokenize", json!({"tokens": [1], "model": "other"})),
+    ] {
+        let r = post(path, &body.to_string());
+        assert_eq!(r.status, 404, "{path}: {}", r.body);
+        assert_eq!(r.json()["error"]["code"], "model_not_found", "{path}");
+    }
+    let bad = post("/detokenize", &json!({"tokens": [1 << 30]}).to_string());
+    assert_eq!(bad.status, 400, "{}", bad.body);
+    assert_eq!(bad.json()["error"]["code"], "invalid_token_id");
 }
 
 #[test]

@@ -238,15 +238,19 @@ fn render_template(src: &str, ctx: minijinja::Value) -> Result<String, Tokenizer
         .map_err(|e| TokenizerError::Template(e.to_string()))
 }
 
-/// Incremental detokenization: turns reply tokens into text pieces, emitting text only once it is complete UTF-8
-/// (a token that ends inside a multi-byte character waits for the next one). Decodes a short window of earlier
-/// tokens and the window plus the new ones, and emits the difference, so that tokenizers which change spacing at
-/// word starts stream the same text as a one-piece decode.
+/// Incremental detokenization: turns reply tokens into text pieces, emitting each character as soon as it is
+/// complete UTF-8: a token that ends inside a multi-byte character emits the text before that character, and the
+/// character waits for the token that completes it (so a stop string ends at the token that completes its text,
+/// even when that token also starts a character). Decodes a short window of earlier tokens and the window plus the
+/// new ones, and emits the difference, so that tokenizers which change spacing at word starts stream the same text
+/// as a one-piece decode.
 #[derive(Debug, Clone, Default)]
 pub struct Detokenizer {
     ids: Vec<u32>,
     prefix_offset: usize,
     read_offset: usize,
+    /// Bytes of the window's new text (the decode past the prefix) already emitted while its end was incomplete.
+    emitted: usize,
 }
 
 impl Detokenizer {
@@ -263,13 +267,11 @@ impl Detokenizer {
         self.ids.push(id);
         let prefix = tok.decode(&self.ids[self.prefix_offset..self.read_offset], true)?;
         let full = tok.decode(&self.ids[self.prefix_offset..], true)?;
-        if full.len() > prefix.len() && !full.ends_with('\u{FFFD}') && full.starts_with(&prefix) {
-            let new = full[prefix.len()..].to_string();
-            self.prefix_offset = self.read_offset;
-            self.read_offset = self.ids.len();
-            Ok(new)
-        } else if !full.starts_with(&prefix) && !full.ends_with('\u{FFFD}') {
-            // The window's text changed shape (rare): emit what follows the common prefix.
+        let incomplete = full.ends_with('\u{FFFD}');
+        let start = if full.starts_with(&prefix) {
+            prefix.len() + self.emitted
+        } else {
+            // The window's text changed shape (rare): what follows the common prefix, less what was emitted.
             let common = full
                 .char_indices()
                 .zip(prefix.chars())
@@ -277,13 +279,30 @@ impl Detokenizer {
                 .last()
                 .map(|((i, c), _)| i + c.len_utf8())
                 .unwrap_or(0);
-            let new = full[common..].to_string();
-            self.prefix_offset = self.read_offset;
-            self.read_offset = self.ids.len();
-            Ok(new)
-        } else {
-            Ok(String::new())
+            let past = prefix.len() + self.emitted;
+            if self.emitted > 0 && past <= full.len() && full.is_char_boundary(past) {
+                common.max(past)
+            } else {
+                common
+            }
+        };
+        if incomplete {
+            // Emit the complete characters before the incomplete one at the end; keep the window open for it.
+            let stable = full.trim_end_matches('\u{FFFD}').len();
+            if stable <= start || !full.starts_with(&prefix) {
+                return Ok(String::new());
+            }
+            self.emitted = stable - prefix.len();
+            return Ok(full[start..stable].to_string());
         }
+        if full.len() <= start && full.starts_with(&prefix) {
+            return Ok(String::new());
+        }
+        let new = full.get(start..).unwrap_or_default().to_string();
+        self.prefix_offset = self.read_offset;
+        self.read_offset = self.ids.len();
+        self.emitted = 0;
+        Ok(new)
     }
 
     /// The text not yet emitted (an incomplete character at the end decodes lossily); call at the end of a reply.
@@ -293,9 +312,11 @@ impl Detokenizer {
     pub fn flush(&mut self, tok: &Tokenizer) -> Result<String, TokenizerError> {
         let prefix = tok.decode(&self.ids[self.prefix_offset..self.read_offset], true)?;
         let full = tok.decode(&self.ids[self.prefix_offset..], true)?;
+        let start = prefix.len() + self.emitted;
         self.prefix_offset = self.ids.len();
         self.read_offset = self.ids.len();
-        Ok(full.get(prefix.len()..).unwrap_or_default().to_string())
+        self.emitted = 0;
+        Ok(full.get(start..).unwrap_or_default().to_string())
     }
 
     /// The tokens pushed so far.
@@ -511,6 +532,94 @@ mod tests {
         }
         out.push_str(&s.finish(&t).unwrap());
         assert_eq!(out, t.decode(&ids, true).unwrap());
+    }
+
+    /// A token of the tiny model's vocabulary whose bytes are a space and then the first byte of a 3-byte
+    /// character (found, not assumed: the test fails if the vocabulary has none).
+    fn space_then_partial_char(t: &Tokenizer) -> u32 {
+        (0..t.vocab_size())
+            .find(|&id| {
+                let s = t.decode(&[id], true).unwrap_or_default();
+                s.len() > 1 && s.starts_with(' ') && s[1..].chars().all(|c| c == '\u{FFFD}')
+            })
+            .expect("a token ' ' + an incomplete character")
+    }
+
+    #[test]
+    fn text_before_an_incomplete_character_is_emitted_with_its_token() {
+        let t = tiny();
+        let split = space_then_partial_char(&t);
+        // "a", then " " + the character's first byte, then tokens completing it: the space comes with `split`.
+        let ids: Vec<u32> = t
+            .encode("a", false)
+            .unwrap()
+            .into_iter()
+            .chain([split])
+            .collect();
+        let mut d = Detokenizer::new();
+        let first = d.push(&t, ids[0]).unwrap();
+        assert_eq!(d.push(&t, split).unwrap(), " ", "after {first:?}");
+        // The same ids and more, streamed, equal the one-piece decode (the completed character included).
+        let text = "x ✓ y ✓✓ 日本 z";
+        let mut all = t.encode(text, false).unwrap();
+        all.extend([split]);
+        all.extend(t.encode("x", false).unwrap());
+        let mut s = TextStream::new(vec![]);
+        let mut out = String::new();
+        for &id in &all {
+            out.push_str(&s.push(&t, id).unwrap().text);
+        }
+        out.push_str(&s.finish(&t).unwrap());
+        assert_eq!(out, t.decode(&all, true).unwrap());
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+        /// Any run of tokens (split characters, special tokens and all) streams to its one-piece decode.
+        #[test]
+        fn any_tokens_stream_to_their_one_piece_decode(ids in proptest::collection::vec(0u32..248_077, 1..40)) {
+            let t = tiny();
+            let ids: Vec<u32> = ids.into_iter().filter(|&i| i < t.vocab_size()).collect();
+            let mut s = TextStream::new(vec![]);
+            let mut out = String::new();
+            for &id in &ids {
+                out.push_str(&s.push(&t, id).unwrap().text);
+            }
+            out.push_str(&s.finish(&t).unwrap());
+            proptest::prop_assert_eq!(out, t.decode(&ids, true).unwrap());
+        }
+    }
+
+    #[test]
+    fn a_stop_string_ends_at_the_token_that_starts_a_character_after_it() {
+        let t = tiny();
+        let split = space_then_partial_char(&t);
+        let ids: Vec<u32> = t
+            .encode("q", false)
+            .unwrap()
+            .into_iter()
+            .chain([split])
+            .chain(t.encode("RIGHT", false).unwrap())
+            .collect();
+        let mut s = TextStream::new(vec![" ".into()]);
+        let mut used = 0;
+        let mut out = String::new();
+        for &id in &ids {
+            used += 1;
+            let d = s.push(&t, id).unwrap();
+            out.push_str(&d.text);
+            if d.stopped {
+                break;
+            }
+        }
+        out.push_str(&s.finish(&t).unwrap());
+        assert_eq!(out, "q");
+        assert_eq!(
+            s.ids().last(),
+            Some(&split),
+            "the stop completes at the token holding the space"
+        );
+        assert_eq!(used, ids.len() - t.encode("RIGHT", false).unwrap().len());
     }
 
     #[test]

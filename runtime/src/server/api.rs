@@ -392,17 +392,25 @@ pub fn parse_messages(m: &Map<String, Value>) -> Result<Prompt, ApiError> {
     Ok(Prompt::Chat(out))
 }
 
+/// The request's `model` field: `None` when absent or null.
+///
+/// # Errors
+/// 400 when it is not a string.
+pub fn model_field(m: &Map<String, Value>) -> Result<Option<String>, ApiError> {
+    match present(m, "model") {
+        None => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(v) => Err(wrong("model", "a string", v)),
+    }
+}
+
 /// Parses a `/v1/completions` (`chat == false`) or `/v1/chat/completions` body.
 ///
 /// # Errors
 /// 400 naming the field that is missing, of the wrong type or out of range.
 pub fn parse_gen(m: &Map<String, Value>, chat: bool) -> Result<GenParams, ApiError> {
     check_fields(m, chat)?;
-    let model = match present(m, "model") {
-        None => None,
-        Some(Value::String(s)) => Some(s.clone()),
-        Some(v) => return Err(wrong("model", "a string", v)),
-    };
+    let model = model_field(m)?;
     let prompt = if chat {
         parse_messages(m)?
     } else {
@@ -455,7 +463,10 @@ pub fn parse_gen(m: &Map<String, Value>, chat: bool) -> Result<GenParams, ApiErr
         Some(k) => {
             return Err(ApiError::invalid(
                 Some("top_k"),
-                format!("`top_k` must be >= 0 (or -1 for off), got {k}"),
+                format!(
+                    "`top_k` must be a count in [1, {}], or 0 or -1 for off, got {k}",
+                    u32::MAX
+                ),
             ))
         }
     };
@@ -706,6 +717,17 @@ mod tests {
             ("temperature", "2.5", "from 0 to 2"),
             ("min_p", "-1e-50", "in [0, 1]"),
             ("min_p", "1.5", "in [0, 1]"),
+            // Before: "`top_k` must be >= 0" for a value that is >= 0 but past the sampler's u32.
+            (
+                "top_k",
+                "4294967296",
+                "a count in [1, 4294967295], or 0 or -1 for off",
+            ),
+            (
+                "top_k",
+                "-2",
+                "a count in [1, 4294967295], or 0 or -1 for off",
+            ),
         ] {
             let body = format!(r#"{{"prompt": "a", "{field}": {value}}}"#);
             let e = p(&body, false).unwrap_err();

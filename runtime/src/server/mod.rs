@@ -430,18 +430,27 @@ async fn blocking<T: Send + 'static>(
     })
 }
 
-/// Tokenizes the prompt and builds the engine request.
-fn build(state: &AppState, p: &GenParams, chat: bool) -> Result<GenRequest, ApiError> {
-    if let Some(m) = p.model.as_deref().filter(|&m| m != state.model_name) {
-        return Err(ApiError::not_found(
+/// A request's `model`, if it names one, must be the served one.
+///
+/// # Errors
+/// 404 `model_not_found` naming both.
+fn served_model(state: &AppState, model: Option<&str>) -> Result<(), ApiError> {
+    match model.filter(|&m| m != state.model_name) {
+        None => Ok(()),
+        Some(m) => Err(ApiError::not_found(
             Some("model"),
             format!(
                 "the model `{m}` does not exist: this server serves `{}` (GET /v1/models)",
                 state.model_name
             ),
         )
-        .code("model_not_found"));
+        .code("model_not_found")),
     }
+}
+
+/// Tokenizes the prompt and builds the engine request.
+fn build(state: &AppState, p: &GenParams, chat: bool) -> Result<GenRequest, ApiError> {
+    served_model(state, p.model.as_deref())?;
     let tok = &state.service.tokenizer;
     let ids = match &p.prompt {
         Prompt::Ids(ids) => ids.clone(),
@@ -746,6 +755,7 @@ async fn metrics(State(state): State<AppState>) -> Response {
 async fn tokenize(State(state): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
     let run = move || -> Result<Value, ApiError> {
         let m = parse_object(&read_body(body)?)?;
+        served_model(&state, api::model_field(&m)?.as_deref())?;
         let tok = &state.service.tokenizer;
         let ids = if m.contains_key("messages") {
             let Prompt::Chat(msgs) = api::parse_messages(&m)? else {
@@ -792,6 +802,7 @@ async fn detokenize(
 ) -> Response {
     let run = move || -> Result<Value, ApiError> {
         let m = parse_object(&read_body(body)?)?;
+        served_model(&state, api::model_field(&m)?.as_deref())?;
         let ids = match m.get("tokens") {
             Some(Value::Array(a)) => api::token_ids("tokens", a)?,
             Some(v) => {
@@ -805,7 +816,8 @@ async fn detokenize(
             }
             None => return Err(ApiError::invalid(Some("tokens"), "`tokens` is required")),
         };
-        in_vocab("tokens", &ids, state.service.tokenizer.vocab_size())?;
+        in_vocab("tokens", &ids, state.service.tokenizer.vocab_size())
+            .map_err(|e| e.code("invalid_token_id"))?;
         let text = state
             .service
             .tokenizer
