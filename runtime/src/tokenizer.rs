@@ -545,21 +545,42 @@ mod tests {
             .expect("a token ' ' + an incomplete character")
     }
 
+    /// The ids of `before`, then `split`, then the ids of `after`.
+    fn around(t: &Tokenizer, before: &str, split: u32, after: &str) -> Vec<u32> {
+        let mut ids = t.encode(before, false).unwrap();
+        ids.push(split);
+        ids.extend(t.encode(after, false).unwrap());
+        ids
+    }
+
+    /// Streams `ids` until a stop string completes: (the text, the tokens pushed, the stream).
+    fn until_stop(t: &Tokenizer, stops: &[&str], ids: &[u32]) -> (String, usize, TextStream) {
+        let mut s = TextStream::new(stops.iter().map(|x| x.to_string()).collect());
+        let (mut out, mut used) = (String::new(), 0);
+        for &id in ids {
+            used += 1;
+            let d = s.push(t, id).unwrap();
+            out.push_str(&d.text);
+            if d.stopped {
+                break;
+            }
+        }
+        out.push_str(&s.finish(t).unwrap());
+        (out, used, s)
+    }
+
     #[test]
     fn text_before_an_incomplete_character_is_emitted_with_its_token() {
         let t = tiny();
         let split = space_then_partial_char(&t);
-        // "a", then " " + the character's first byte, then tokens completing it: the space comes with `split`.
-        let ids: Vec<u32> = t
-            .encode("a", false)
-            .unwrap()
-            .into_iter()
-            .chain([split])
-            .collect();
+        // "a", then " " + the character's first byte: the space comes with `split`.
+        let ids = around(&t, "a", split, "");
         let mut d = Detokenizer::new();
         let first = d.push(&t, ids[0]).unwrap();
         assert_eq!(d.push(&t, split).unwrap(), " ", "after {first:?}");
-        // The same ids and more, streamed, equal the one-piece decode (the completed character included).
+        // Ended right after it: the flush gives the incomplete character's lossy decode, once.
+        assert_eq!(d.flush(&t).unwrap(), "\u{FFFD}");
+        // Around other text, streamed: equal to the one-piece decode.
         let text = "x ✓ y ✓✓ 日本 z";
         let mut all = t.encode(text, false).unwrap();
         all.extend([split]);
@@ -574,18 +595,31 @@ mod tests {
     }
 
     proptest::proptest! {
-        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
-        /// Any run of tokens (split characters, special tokens and all) streams to its one-piece decode.
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(128))]
+        /// Any run of tokens, half of them pieces of characters (tokens whose own decode is incomplete UTF-8):
+        /// after every token the text emitted is the decode so far less its trailing incomplete character, and
+        /// at the end it is the one-piece decode.
         #[test]
-        fn any_tokens_stream_to_their_one_piece_decode(ids in proptest::collection::vec(0u32..248_077, 1..40)) {
+        fn any_tokens_stream_to_their_one_piece_decode(
+            picks in proptest::collection::vec((proptest::prelude::any::<u32>(), proptest::prelude::any::<bool>()), 1..40),
+        ) {
             let t = tiny();
-            let ids: Vec<u32> = ids.into_iter().filter(|&i| i < t.vocab_size()).collect();
-            let mut s = TextStream::new(vec![]);
+            let pieces: Vec<u32> = (0..t.vocab_size())
+                .filter(|&id| t.decode(&[id], true).unwrap_or_default().contains('\u{FFFD}'))
+                .collect();
+            proptest::prop_assert!(!pieces.is_empty());
+            let ids: Vec<u32> = picks
+                .iter()
+                .map(|&(x, piece)| if piece { pieces[x as usize % pieces.len()] } else { x % t.vocab_size() })
+                .collect();
+            let mut d = Detokenizer::new();
             let mut out = String::new();
-            for &id in &ids {
-                out.push_str(&s.push(&t, id).unwrap().text);
+            for k in 0..ids.len() {
+                out.push_str(&d.push(&t, ids[k]).unwrap());
+                let so_far = t.decode(&ids[..=k], true).unwrap();
+                proptest::prop_assert_eq!(out.as_str(), so_far.trim_end_matches('\u{FFFD}'));
             }
-            out.push_str(&s.finish(&t).unwrap());
+            out.push_str(&d.flush(&t).unwrap());
             proptest::prop_assert_eq!(out, t.decode(&ids, true).unwrap());
         }
     }
@@ -594,25 +628,8 @@ mod tests {
     fn a_stop_string_ends_at_the_token_that_starts_a_character_after_it() {
         let t = tiny();
         let split = space_then_partial_char(&t);
-        let ids: Vec<u32> = t
-            .encode("q", false)
-            .unwrap()
-            .into_iter()
-            .chain([split])
-            .chain(t.encode("RIGHT", false).unwrap())
-            .collect();
-        let mut s = TextStream::new(vec![" ".into()]);
-        let mut used = 0;
-        let mut out = String::new();
-        for &id in &ids {
-            used += 1;
-            let d = s.push(&t, id).unwrap();
-            out.push_str(&d.text);
-            if d.stopped {
-                break;
-            }
-        }
-        out.push_str(&s.finish(&t).unwrap());
+        let ids = around(&t, "q", split, "RIGHT");
+        let (out, used, s) = until_stop(&t, &[" "], &ids);
         assert_eq!(out, "q");
         assert_eq!(
             s.ids().last(),
@@ -627,18 +644,7 @@ mod tests {
         let t = tiny();
         let text = "alpha beta gamma delta";
         let ids = t.encode(text, false).unwrap();
-        let mut s = TextStream::new(vec!["gam".into()]);
-        let mut out = String::new();
-        let mut used = 0;
-        for &id in &ids {
-            used += 1;
-            let d = s.push(&t, id).unwrap();
-            out.push_str(&d.text);
-            if d.stopped {
-                break;
-            }
-        }
-        out.push_str(&s.finish(&t).unwrap());
+        let (out, used, s) = until_stop(&t, &["gam"], &ids);
         assert_eq!(out, "alpha beta ");
         assert!(used < ids.len());
         assert_eq!(s.ids().len(), used);
