@@ -267,8 +267,8 @@ impl Detokenizer {
         self.ids.push(id);
         let prefix = tok.decode(&self.ids[self.prefix_offset..self.read_offset], true)?;
         let full = tok.decode(&self.ids[self.prefix_offset..], true)?;
-        let incomplete = full.ends_with('\u{FFFD}');
-        let start = if full.starts_with(&prefix) {
+        let same_shape = full.starts_with(&prefix);
+        let start = if same_shape {
             prefix.len() + self.emitted
         } else {
             // The window's text changed shape (rare): what follows the common prefix, less what was emitted.
@@ -286,16 +286,16 @@ impl Detokenizer {
                 common
             }
         };
-        if incomplete {
+        if full.ends_with('\u{FFFD}') {
             // Emit the complete characters before the incomplete one at the end; keep the window open for it.
             let stable = full.trim_end_matches('\u{FFFD}').len();
-            if stable <= start || !full.starts_with(&prefix) {
+            if !same_shape || stable <= start {
                 return Ok(String::new());
             }
             self.emitted = stable - prefix.len();
             return Ok(full[start..stable].to_string());
         }
-        if full.len() <= start && full.starts_with(&prefix) {
+        if same_shape && full.len() <= start {
             return Ok(String::new());
         }
         let new = full.get(start..).unwrap_or_default().to_string();
