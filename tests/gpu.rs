@@ -659,19 +659,39 @@ fn gpu_matches_cpu_on_the_fixtures() {
 /// a group, as `flash-next.json`) and indexer (budget 2048 at ratio 4: 513 pooled blocks, 2052 tokens, 65 chunks of
 /// 32), for a context of `context` tokens.
 fn real_attention_config(context: u64) -> ModelConfig {
+    tiny_text_config_with(context, |j| {
+        j["num_attention_heads"] = 24.into();
+        j["num_key_value_heads"] = 2.into();
+        j["head_dim"] = 256.into();
+        j["indexer_head_dim"] = 128.into();
+        j["indexer_budget"] = 2048.into();
+        j["indexer_compress_ratio"] = 4.into();
+        // The rotary dims (256 x 0.25 = 64) in the real config's sections.
+        j["rope_parameters"]["mrope_section"] = serde_json::json!([11, 11, 10]);
+    })
+}
+
+/// The tiny-text fixture's config for a context of `context` tokens, with `edit` applied to its JSON.
+fn tiny_text_config_with(context: u64, edit: impl FnOnce(&mut serde_json::Value)) -> ModelConfig {
     let text =
         std::fs::read_to_string(fixture("tiny-text").join("config.json")).expect("config.json");
     let mut j: serde_json::Value = serde_json::from_str(&text).expect("json");
-    j["num_attention_heads"] = 24.into();
-    j["num_key_value_heads"] = 2.into();
-    j["head_dim"] = 256.into();
-    j["indexer_head_dim"] = 128.into();
-    j["indexer_budget"] = 2048.into();
-    j["indexer_compress_ratio"] = 4.into();
     j["max_position_embeddings"] = context.into();
-    // The rotary dims (256 x 0.25 = 64) in the real config's sections.
-    j["rope_parameters"]["mrope_section"] = serde_json::json!([11, 11, 10]);
+    edit(&mut j);
     ModelConfig::from_json_str(&j.to_string()).expect("config parses")
+}
+
+/// `n` token ids below `vocab` from a seeded linear congruential generator (Knuth's MMIX constants).
+fn seeded_tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    let mut x = seed;
+    (0..n)
+        .map(|_| {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((x >> 33) % vocab as u64) as u32
+        })
+        .collect()
 }
 
 /// Seeded weights for every main and drafter entry of `body`, BF16-exact: norms' weights 1 + 0.1 u, the rest 0.05 u,
@@ -729,15 +749,7 @@ fn gpu_sparse_attention_at_the_real_shape() {
     let mut rep = Report { rows: Vec::new() };
 
     // A seeded prompt past the indexer's budget, prefilled in chunks on both backends.
-    let mut x = 7u64;
-    let prompt: Vec<u32> = (0..PROMPT)
-        .map(|_| {
-            x = x
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((x >> 33) % vocab as u64) as u32
-        })
-        .collect();
+    let prompt = seeded_tokens(PROMPT, vocab, 7);
     let mut pos = 0;
     let mut worst = 0f32;
     while pos < PROMPT {
@@ -1184,4 +1196,164 @@ fn same_bits_as(reference: &mut Option<Vec<f32>>, values: &[f32]) -> bool {
         }
         Some(r) => same_bits(r, values),
     }
+}
+
+/// The tiny-text fixture's config with the real model's 512 experts and top-10 routing (`flash-next.json`): 16
+/// candidates a lane in the routers' warp top-k and 64 a warp in the one-row block top-k (kernels/moe.cu
+/// `router_topk_warp`, `router_topk_block`), where the fixtures' 8 experts give one.
+fn real_routing_config(context: u64) -> ModelConfig {
+    tiny_text_config_with(context, |j| {
+        j["num_experts"] = 512.into();
+        j["num_experts_per_tok"] = 10.into();
+    })
+}
+
+/// Router rows of one MoE layer ([experts, hidden], row e at e * hidden) rewritten from row 0, BF16-exact, to reach
+/// the corners of the routers' top-k (kernels/moe.cu `router_topk_warp`, `router_topk_block`: lane l holds experts
+/// l, l + 32, .., and the one-row block's warp w the registers 2w and 2w + 1 of that layout):
+/// - `tied`: row e is row e mod 5, so every logit is one of 5 values and each top-k is decided by the lowest ids;
+/// - `bunched`: row e (e > 0; row 0 keeps c = 1) is c_e times row 0, with the c_e of lanes 0-8 in [2, 3), of lanes
+///   9-17 in (-3, -2] and of the others in [-1, 1), growing with the register index: whatever the sign of row 0's
+///   dot, nine lanes hold the 144 largest logits, the top-10 lie in the last registers (the one-row block's last
+///   warp gives all ten) and a lane gives several of them in successive rounds;
+/// - `three-lanes`: the same with lanes 0-2 and 9-11 apart: three lanes hold the 48 largest logits, so one lane
+///   gives four of the top-10.
+fn rewrite_router(w: &mut [f32], hidden: usize, set: &str) {
+    let experts = w.len() / hidden;
+    for e in 1..experts {
+        let (head, tail) = w.split_at_mut(e * hidden);
+        let row = &mut tail[..hidden];
+        match set {
+            "tied" if e >= 5 => {
+                let src = (e % 5) * hidden;
+                row.copy_from_slice(&head[src..src + hidden]);
+            }
+            "bunched" | "three-lanes" => {
+                let apart = if set == "bunched" { 9 } else { 3 };
+                let (l, j) = (e % 32, (e / 32) as f32);
+                let lane = l as f32;
+                let c = if l < apart {
+                    2.0 + j / 16.0 + lane / 256.0
+                } else if (9..9 + apart).contains(&l) {
+                    -(2.0 + j / 16.0 + lane / 256.0)
+                } else {
+                    (j - 8.0) / 8.0 + lane / 512.0
+                };
+                for (x, &r) in row.iter_mut().zip(&head[..hidden]) {
+                    *x = half::bf16::from_f32(c * r).to_f32();
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+#[test]
+fn gpu_router_top_k_of_512_experts() {
+    // The fixtures' 8 experts keep every top-k to a lane or two. Here the real 512 experts and top-10: the one-row
+    // router's block top-k (router_t1's last block), the warp top-k of 2-16 rows (router_t2 .. router_s4's last
+    // blocks) and router_topk's radix select (FLASHPLAN_FUSE_SMALL=0), on four
+    // sets of router rows (seeded; tied; bunched by nine lanes and by three: `rewrite_router`). Each set: the 16-row
+    // window against the CPU backend (its lowest-id maximum), row j bit for bit across lone windows of 1-16 rows, and
+    // every window's logits with FLASHPLAN_FUSE_SMALL off == on (router_topk's radix select: a wrong set or order of
+    // the experts changes the bits).
+    let Some(name) = gpu_ready() else { return };
+    const CONTEXT: u64 = 64;
+    const PROMPT: usize = 16;
+    println!("GPU: {name}; 512 experts, top-10, four sets of router rows");
+    println!("| fixture | check | result | detail |\n|---|---|---|---|");
+    let (cpu_body, gpu_body) = plans_of(&real_routing_config(CONTEXT), vec![1], CONTEXT);
+    let vocab = cpu_body.config.vocab_size as usize;
+    let hidden = cpu_body.config.hidden_size as usize;
+    let cpu_body = Arc::new(cpu_body);
+    let gpu_body = Arc::new(gpu_body);
+    let mut rep = Report { rows: Vec::new() };
+    let seeded = seeded_weights(&cpu_body, 2027);
+    for set in ["seeded", "tied", "bunched", "three-lanes"] {
+        let fx = format!("512-experts-{set}");
+        let mut w = seeded.clone();
+        for (e, t) in cpu_body.weights.iter().zip(w.iter_mut()) {
+            if let Some(t) = t.as_mut().filter(|_| e.name.ends_with("mlp.gate.weight")) {
+                rewrite_router(t, hidden, set);
+            }
+        }
+        let mut cpu = CpuBackend::new(Arc::clone(&cpu_body), Arc::new(w.clone()));
+        let mut gpu = CudaBackend::new(Arc::clone(&gpu_body), &w).expect("CUDA backend");
+        let toks = seeded_tokens(PROMPT + 16, vocab, 11);
+        let d = desc(&[(0, 0, PROMPT as u32, &toks[..PROMPT])], CHUNK);
+        run_both(
+            &mut cpu,
+            &mut gpu,
+            VariantKind::Prefill { chunk: CHUNK },
+            &d,
+        )
+        .expect("prefill");
+        let snapshot = gpu.slot_state(0);
+        let cont = &toks[PROMPT..];
+        let window = |win: u32| desc(&[(0, PROMPT as u32, win, &cont[..win as usize])], win);
+
+        run_both(
+            &mut cpu,
+            &mut gpu,
+            VariantKind::Lone { window: 16 },
+            &window(16),
+        )
+        .expect("lone-w16");
+        let r = rel(
+            &gpu.io(IoBuf::Logits)[..16 * vocab],
+            &cpu.io(IoBuf::Logits)[..16 * vocab],
+            vocab,
+        );
+        let finite = gpu.io(IoBuf::Logits)[..16 * vocab]
+            .iter()
+            .all(|v| v.is_finite());
+        rep.add(
+            &fx,
+            "lone-w16 logits vs CPU",
+            r <= TOL && finite,
+            format!("max rel diff {r:.2e}, finite {finite}"),
+        );
+
+        let mut runs: Vec<Vec<Vec<u32>>> = Vec::new();
+        let mut identical = true;
+        let original = gpu.set_fuse_small(true);
+        let mut ran = original.is_ok();
+        for on in [true, false] {
+            ran &= gpu.set_fuse_small(on).is_ok();
+            let mut rows_ref: Vec<Option<Vec<f32>>> = vec![None; 16];
+            let mut out = Vec::new();
+            for win in 1..=16u32 {
+                gpu.set_slot_state(0, &snapshot).unwrap();
+                ran &= gpu
+                    .run(VariantKind::Lone { window: win }, &window(win))
+                    .is_ok();
+                let lg = &gpu.io(IoBuf::Logits)[..win as usize * vocab];
+                for (j, slot) in rows_ref.iter_mut().enumerate().take(win as usize) {
+                    identical &= same_bits_as(slot, &lg[j * vocab..(j + 1) * vocab]);
+                }
+                out.push(lg.iter().map(|v| v.to_bits()).collect::<Vec<u32>>());
+            }
+            runs.push(out);
+        }
+        ran &= gpu.set_fuse_small(original.unwrap_or(true)).is_ok();
+        rep.add(
+            &fx,
+            "row invariance, lone windows 1-16 (fused and unfused)",
+            ran && identical,
+            "bit-identical rows".into(),
+        );
+        let same = ran && runs[0] == runs[1];
+        rep.add(
+            &fx,
+            "FLASHPLAN_FUSE_SMALL off == on: lone windows 1-16",
+            same,
+            format!("bit-identical logits: {same}"),
+        );
+    }
+    let failed: Vec<_> = rep.rows.iter().filter(|r| !r.2).collect();
+    assert!(
+        failed.is_empty(),
+        "{} GPU checks failed: {failed:?}",
+        failed.len()
+    );
 }
