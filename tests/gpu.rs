@@ -1252,11 +1252,11 @@ fn rewrite_router(w: &mut [f32], hidden: usize, set: &str) {
 fn gpu_router_top_k_of_512_experts() {
     // The fixtures' 8 experts keep every top-k to a lane or two. Here the real 512 experts and top-10: the one-row
     // router's block top-k (router_t1's last block), the warp top-k of 2-16 rows (router_t2 .. router_s4's last
-    // blocks) and router_topk's radix select (FLASHPLAN_FUSE_SMALL=0), on four
-    // sets of router rows (seeded; tied; bunched by nine lanes and by three: `rewrite_router`). Each set: the 16-row
-    // window against the CPU backend (its lowest-id maximum), row j bit for bit across lone windows of 1-16 rows, and
-    // every window's logits with FLASHPLAN_FUSE_SMALL off == on (router_topk's radix select: a wrong set or order of
-    // the experts changes the bits).
+    // blocks) and router_topk's radix select (FLASHPLAN_FUSE_SMALL=0), on four sets of router rows (seeded; tied;
+    // bunched by nine lanes and by three: `rewrite_router`). Each set: the 16-row window against the CPU backend (its
+    // lowest-id maximum), row j bit for bit across lone windows of 1-16 rows, and every window's logits with
+    // FLASHPLAN_FUSE_SMALL off == on (router_topk's radix select: a wrong set or order of the experts changes the
+    // bits).
     let Some(name) = gpu_ready() else { return };
     const CONTEXT: u64 = 64;
     const PROMPT: usize = 16;
