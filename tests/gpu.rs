@@ -85,6 +85,22 @@ struct Report {
 }
 
 impl Report {
+    /// An empty report, its table header printed.
+    fn new() -> Report {
+        println!("| fixture | check | result | detail |\n|---|---|---|---|");
+        Report { rows: Vec::new() }
+    }
+
+    /// Panics, listing them, if any of the `what` checks added failed.
+    fn assert_passed(&self, what: &str) {
+        let failed: Vec<_> = self.rows.iter().filter(|r| !r.2).collect();
+        assert!(
+            failed.is_empty(),
+            "{} {what} failed: {failed:?}",
+            failed.len()
+        );
+    }
+
     fn add(&mut self, fixture: &str, check: &str, ok: bool, detail: String) {
         println!(
             "| {fixture} | {check} | {} | {detail} |",
@@ -627,8 +643,7 @@ fn fixture_checks(name: &str, dir: &Path, expected: &Path, rep: &mut Report) {
 fn gpu_matches_cpu_on_the_fixtures() {
     let Some(name) = gpu_ready() else { return };
     println!("GPU: {name}; tolerance max|diff| <= {TOL} x max|logit| per row against the CPU backend with the same BF16 weights");
-    println!("| fixture | check | result | detail |\n|---|---|---|---|");
-    let mut rep = Report { rows: Vec::new() };
+    let mut rep = Report::new();
     fixture_checks(
         "tiny-text",
         &fixture("tiny-text"),
@@ -647,12 +662,7 @@ fn gpu_matches_cpu_on_the_fixtures() {
         &root().join("fixtures/flashnext-tiny-expected.safetensors"),
         &mut rep,
     );
-    let failed: Vec<_> = rep.rows.iter().filter(|r| !r.2).collect();
-    assert!(
-        failed.is_empty(),
-        "{} GPU checks failed: {failed:?}",
-        failed.len()
-    );
+    rep.assert_passed("GPU checks");
 }
 
 /// The tiny-text fixture's config with the real model's attention shape (24 query heads over 2 kv heads of 256: 12
@@ -737,16 +747,15 @@ fn gpu_sparse_attention_at_the_real_shape() {
     const CONTEXT: u64 = 2304;
     const PROMPT: usize = 2112;
     println!("GPU: {name}; real attention shape (24 heads over 2 kv heads of 256, 65 chunks of 32 selected tokens)");
-    println!("| fixture | check | result | detail |\n|---|---|---|---|");
+    let mut rep = Report::new();
     let fx = "real-attention";
     let (cpu_body, gpu_body) =
         plans_of(&real_attention_config(CONTEXT), vec![1, 2, 4, 16], CONTEXT);
     let vocab = cpu_body.config.vocab_size as usize;
-    let w = seeded_weights(&cpu_body, 2026);
+    let w = Arc::new(seeded_weights(&cpu_body, 2026));
     let cpu_body = Arc::new(cpu_body);
-    let mut cpu = CpuBackend::new(Arc::clone(&cpu_body), Arc::new(w.clone()));
+    let mut cpu = CpuBackend::new(Arc::clone(&cpu_body), Arc::clone(&w));
     let mut gpu = CudaBackend::new(Arc::new(gpu_body), &w).expect("CUDA backend");
-    let mut rep = Report { rows: Vec::new() };
 
     // A seeded prompt past the indexer's budget, prefilled in chunks on both backends.
     let prompt = seeded_tokens(PROMPT, vocab, 7);
@@ -873,12 +882,7 @@ fn gpu_sparse_attention_at_the_real_shape() {
         identical,
         "bit-identical rows".into(),
     );
-    let failed: Vec<_> = rep.rows.iter().filter(|r| !r.2).collect();
-    assert!(
-        failed.is_empty(),
-        "{} GPU checks failed: {failed:?}",
-        failed.len()
-    );
+    rep.assert_passed("GPU checks");
 }
 
 /// Bit-for-bit equality of two f32 slices.
@@ -1114,8 +1118,7 @@ fn mxfp8_checks(name: &str, dir: &Path, expected: &Path, rep: &mut Report) {
 fn gpu_mxfp8_drafter_matches_cpu_and_the_bf16_linear() {
     let Some(name) = gpu_ready() else { return };
     println!("GPU: {name}; MXFP8 drafter: linear_mxfp8 against the CPU backend (max|diff| <= {TOL} x max|logit| per row) and against BF16 `linear` on the same values (bit for bit)");
-    println!("| fixture | check | result | detail |\n|---|---|---|---|");
-    let mut rep = Report { rows: Vec::new() };
+    let mut rep = Report::new();
     for (fx, dir, expected) in [
         (
             "tiny-text",
@@ -1135,12 +1138,7 @@ fn gpu_mxfp8_drafter_matches_cpu_and_the_bf16_linear() {
     ] {
         mxfp8_checks(fx, &dir, &expected, &mut rep);
     }
-    let failed: Vec<_> = rep.rows.iter().filter(|r| !r.2).collect();
-    assert!(
-        failed.is_empty(),
-        "{} MXFP8 GPU checks failed: {failed:?}",
-        failed.len()
-    );
+    rep.assert_passed("MXFP8 GPU checks");
 }
 
 /// The kernel parameter mirrors match the C layout of kernels/params.h: the host C compiler (`cc`; CUDA lays out
@@ -1266,13 +1264,12 @@ fn gpu_router_top_k_of_512_experts() {
     const CONTEXT: u64 = 64;
     const PROMPT: usize = 16;
     println!("GPU: {name}; 512 experts, top-10, four sets of router rows");
-    println!("| fixture | check | result | detail |\n|---|---|---|---|");
+    let mut rep = Report::new();
     let (cpu_body, gpu_body) = plans_of(&real_routing_config(CONTEXT), vec![1], CONTEXT);
     let vocab = cpu_body.config.vocab_size as usize;
     let hidden = cpu_body.config.hidden_size as usize;
     let cpu_body = Arc::new(cpu_body);
     let gpu_body = Arc::new(gpu_body);
-    let mut rep = Report { rows: Vec::new() };
     let seeded = seeded_weights(&cpu_body, 2027);
     for set in ["seeded", "tied", "bunched", "three-lanes"] {
         let fx = format!("512-experts-{set}");
@@ -1282,7 +1279,8 @@ fn gpu_router_top_k_of_512_experts() {
                 rewrite_router(t, hidden, set);
             }
         }
-        let mut cpu = CpuBackend::new(Arc::clone(&cpu_body), Arc::new(w.clone()));
+        let w = Arc::new(w);
+        let mut cpu = CpuBackend::new(Arc::clone(&cpu_body), Arc::clone(&w));
         let mut gpu = CudaBackend::new(Arc::clone(&gpu_body), &w).expect("CUDA backend");
         let toks = seeded_tokens(PROMPT + 16, vocab, 11);
         let d = desc(&[(0, 0, PROMPT as u32, &toks[..PROMPT])], CHUNK);
@@ -1355,10 +1353,5 @@ fn gpu_router_top_k_of_512_experts() {
             format!("bit-identical logits: {same}"),
         );
     }
-    let failed: Vec<_> = rep.rows.iter().filter(|r| !r.2).collect();
-    assert!(
-        failed.is_empty(),
-        "{} GPU checks failed: {failed:?}",
-        failed.len()
-    );
+    rep.assert_passed("GPU checks");
 }
