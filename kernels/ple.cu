@@ -2,8 +2,8 @@
 #include "common.cuh"
 
 
-// Values per thread loaded together before they are stored (ple_mix, ple_mix_conv; ple_embed uses common.cuh's
-// block_store_row).
+// Values per thread loaded together before they are used or stored (ple_mix; ple_mix_conv has PLE_CU below;
+// ple_embed uses common.cuh's block_store_row).
 #define PLE_U 16
 
 // One block per row: thread 0 hashes the row's n-gram ids, then the block gathers the head rows.
@@ -89,12 +89,29 @@ extern "C" __global__ void ple_mix(const FpPleMix p) {
         const float* V = fptr(p.value) + r * D;
         float* Gn = fptr(p.stash) + r * W + (u64)cc * D;
         float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        for (u32 d = threadIdx.x; d < D; d += blockDim.x) {
-            const float k = K[d], h = H[d], x = V[d];
-            v[0] += k * k;
-            v[1] += h * h;
-            v[2] += x * x;
-            v[3] += (k * (1.0f + bfw(p.norm_key, cc * D + d))) * (h * (1.0f + bfw(p.norm_query, cc * D + d)));
+        // PLE_U elements' loads in flight before their sums, which run in element order (as one element a
+        // step did): every load of a batch is in flight at once.
+        for (u32 d0 = threadIdx.x; d0 < D; d0 += blockDim.x * PLE_U) {
+            float kv[PLE_U], hv[PLE_U], xv[PLE_U], nk[PLE_U], nq[PLE_U];
+#pragma unroll
+            for (int u = 0; u < PLE_U; u++) {
+                const u32 d = d0 + blockDim.x * u;
+                const bool in = d < D;
+                kv[u] = in ? K[d] : 0.0f;
+                hv[u] = in ? H[d] : 0.0f;
+                xv[u] = in ? V[d] : 0.0f;
+                nk[u] = in ? bfw(p.norm_key, cc * D + d) : 0.0f;
+                nq[u] = in ? bfw(p.norm_query, cc * D + d) : 0.0f;
+            }
+#pragma unroll
+            for (int u = 0; u < PLE_U; u++) {
+                if (d0 + blockDim.x * u >= D) break;
+                const float k = kv[u], h = hv[u], x = xv[u];
+                v[0] += k * k;
+                v[1] += h * h;
+                v[2] += x * x;
+                v[3] += (k * (1.0f + nk[u])) * (h * (1.0f + nq[u]));
+            }
         }
         block_sum4(v, sh);
         const float ik = 1.0f / sqrtf(v[0] / (float)D + p.eps);
@@ -123,6 +140,11 @@ extern "C" __global__ void ple_mix(const FpPleMix p) {
     }
 }
 
+// Taps of a channel loaded together in ple_mix_conv (the real config's kernel is 4: one group; a longer kernel runs
+// its taps in groups of PLE_MAXK, in tap order).
+#define PLE_MAXK 4
+// Channels a thread of ple_mix_conv loads at once (D = 2560 at 256 threads: one batch).
+#define PLE_CU 10
 extern "C" __global__ void ple_mix_conv(const FpPleMix p) {
     pdl_start();
     const FpCommon& c = p.c;
@@ -136,30 +158,45 @@ extern "C" __global__ void ple_mix_conv(const FpPleMix p) {
         const float* tail = state_of(c, st.slot, p.tail);
         const u64 r = (u64)s * c.window + j;
         const float g = fptr(c.scratch)[r * p.hc + cc];
-        for (u32 d0 = threadIdx.x; d0 < D; d0 += blockDim.x * PLE_U) {
-            // PLE_U channels' loads (conv taps, weights, value, h) before their stores to h, which the compiler
-            // could not move them above (h might alias them). h += g v + silu(conv) with g v fused into the add
-            // (fmaf, as the compiler contracted the one-channel loop before: the same bits).
-            float acc[PLE_U], vv[PLE_U], hv[PLE_U];
+        for (u32 d0 = threadIdx.x; d0 < D; d0 += blockDim.x * PLE_CU) {
+            // PLE_CU channels' value and h, then a group of taps and weights each, all loaded before their sums
+            // and before the stores to h, which the compiler could not move them above (h might alias them). The
+            // conv sums in tap order; h += g v + silu(conv) with g v fused into the add (fmaf, as the compiler
+            // contracted the one-channel loop before: the same bits).
+            float acc[PLE_CU], vv[PLE_CU], hv[PLE_CU];
 #pragma unroll
-            for (int u = 0; u < PLE_U; u++) {
+            for (int u = 0; u < PLE_CU; u++) {
                 const u32 d = d0 + blockDim.x * u;
+                const bool in = d < D;
                 acc[u] = 0.0f;
-                vv[u] = 0.0f;
-                hv[u] = 0.0f;
-                if (d >= D) continue;
-                const u32 ch = cc * D + d;
-                for (u32 t = 0; t < p.kernel; t++) {
-                    const u32 i = j + t * p.dilation;
-                    const float x = i < tail_len ? tail[(u64)i * W + ch]
-                                                 : fptr(p.stash)[((u64)s * c.window + i - tail_len) * W + ch];
-                    acc[u] += bfw(p.conv_w, (u64)ch * p.kernel + t) * x;
+                vv[u] = in ? fptr(p.value)[r * D + d] : 0.0f;
+                hv[u] = in ? fptr(p.h)[r * W + cc * D + d] : 0.0f;
+            }
+            for (u32 t0 = 0; t0 < p.kernel; t0 += PLE_MAXK) {
+                float xs[PLE_CU][PLE_MAXK], ws[PLE_CU][PLE_MAXK];
+#pragma unroll
+                for (int u = 0; u < PLE_CU; u++) {
+                    const u32 d = d0 + blockDim.x * u;
+                    const u32 ch = cc * D + d;
+#pragma unroll
+                    for (u32 k = 0; k < PLE_MAXK; k++) {
+                        const u32 t = t0 + k, i = j + t * p.dilation;
+                        const bool tap = d < D && t < p.kernel;
+                        xs[u][k] = !tap ? 0.0f
+                                   : i < tail_len ? tail[(u64)i * W + ch]
+                                                  : fptr(p.stash)[((u64)s * c.window + i - tail_len) * W + ch];
+                        ws[u][k] = tap ? bfw(p.conv_w, (u64)ch * p.kernel + t) : 0.0f;
+                    }
                 }
-                vv[u] = fptr(p.value)[r * D + d];
-                hv[u] = fptr(p.h)[r * W + ch];
+#pragma unroll
+                for (int u = 0; u < PLE_CU; u++) {
+#pragma unroll
+                    for (u32 k = 0; k < PLE_MAXK; k++)
+                        if (t0 + k < p.kernel) acc[u] += ws[u][k] * xs[u][k];
+                }
             }
 #pragma unroll
-            for (int u = 0; u < PLE_U; u++) {
+            for (int u = 0; u < PLE_CU; u++) {
                 const u32 d = d0 + blockDim.x * u;
                 if (d < D) fptr(p.h)[r * W + cc * D + d] = hv[u] + fmaf(g, vv[u], siluf_(acc[u]));
             }
