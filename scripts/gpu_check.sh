@@ -2,8 +2,9 @@
 # GPU checks in two steps (the H200 machine has no Rust toolchain and no network).
 #
 #   1. Here:            bash scripts/gpu_check.sh build
-#      builds the release GPU test binary, strips it into gpu-bin/ (ignored by git through .git/info/exclude) and
-#      compiles the kernels into the cubin cache gpu-bin/kernels (needs NVRTC: scripts/setup_nvrtc.sh).
+#      builds the release GPU test binary, strips it into gpu-bin/ (ignored by git through the repository's
+#      info/exclude, also from a worktree) and compiles the kernels into the cubin cache gpu-bin/kernels (needs NVRTC:
+#      scripts/setup_nvrtc.sh).
 #   2. On the H200, through the device `run` tool, one test binary per call, in this order on the same warm machine
 #      (the tree, about 61 MiB, plus what travels must stay under the device copy limit of 64 MiB; build makes one xz
 #      archive per binary, and only the first carries the cubins, which stay in the ignored gpu-bin/ there):
@@ -15,15 +16,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode="${1:-build}"
+exclude="$(git rev-parse --git-path info/exclude)" # .git is a file in a worktree
 
 # pack DIR ARCHIVE NAME...: DIR/ARCHIVE, one xz archive of gpu-bin/build-root, gpu-bin/kernels.list (the build's
 # cubin names), the named gzipped binaries of gpu-bin/ (uncompressed, executable) and, unless PACK_KERNELS=0, the
-# cubins (xz of the raw files is about half the gzipped size); DIR is ignored by git through .git/info/exclude. Used
-# here and by scripts/gpu_bench.sh.
+# cubins (xz of the raw files is about half the gzipped size); DIR is ignored by git through the repository's
+# info/exclude. Used here and by scripts/gpu_bench.sh.
 pack() {
     local dir="$1" archive="$2" tmp
     shift 2
-    grep -qxF "/$dir/" .git/info/exclude 2>/dev/null || echo "/$dir/" >>.git/info/exclude
+    grep -qxF "/$dir/" "$exclude" 2>/dev/null || echo "/$dir/" >>"$exclude"
     tmp=$(mktemp -d)
     mkdir -p "$tmp/gpu-bin/kernels"
     cp gpu-bin/build-root gpu-bin/kernels.list "$tmp/gpu-bin/"
@@ -72,7 +74,7 @@ unpack-kernels)
     unpack_kernels
     ;;
 build)
-    grep -qxF '/gpu-bin/' .git/info/exclude 2>/dev/null || echo '/gpu-bin/' >>.git/info/exclude
+    grep -qxF '/gpu-bin/' "$exclude" 2>/dev/null || echo '/gpu-bin/' >>"$exclude"
     if ! ldconfig -p 2>/dev/null | grep -q libnvrtc.so.13 && [[ "${LD_LIBRARY_PATH:-}" != *cu13* ]]; then
         eval "$(bash scripts/setup_nvrtc.sh)"
     fi
