@@ -78,9 +78,11 @@ const STREAMS: [u32; 5] = [1, 2, 4, 8, 16];
 /// Windows of the issue-5 table.
 const WINDOWS: [u32; 6] = [1, 2, 4, 8, 12, 16];
 
+/// The published config, built into the binary: a build packed in a worktree runs from any directory.
+const FLASH_NEXT_CONFIG: &str = include_str!("../configs/flash-next.json");
+
 fn config(layers: usize) -> anyhow::Result<ModelConfig> {
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/flash-next.json");
-    let mut j: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path)?)?;
+    let mut j: serde_json::Value = serde_json::from_str(FLASH_NEXT_CONFIG)?;
     let t = &mut j["text_config"];
     let full = t["layer_types"].as_array().cloned().unwrap_or_default();
     t["num_hidden_layers"] = layers.into();
