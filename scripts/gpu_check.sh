@@ -16,7 +16,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode="${1:-build}"
-exclude="$(git rev-parse --git-path info/exclude)" # .git is a file in a worktree
+
+# ignore PATTERN: PATTERN added once to the repository's info/exclude (asked of git: .git is a file in a worktree).
+# Only the steps run here call it; the device's copy of the tree need not be a git repository.
+ignore() {
+    local exclude
+    exclude="$(git rev-parse --git-path info/exclude)"
+    grep -qxF "$1" "$exclude" 2>/dev/null || echo "$1" >>"$exclude"
+}
 
 # pack DIR ARCHIVE NAME...: DIR/ARCHIVE, one xz archive of gpu-bin/build-root, gpu-bin/kernels.list (the build's
 # cubin names), the named gzipped binaries of gpu-bin/ (uncompressed, executable) and, unless PACK_KERNELS=0, the
@@ -25,7 +32,7 @@ exclude="$(git rev-parse --git-path info/exclude)" # .git is a file in a worktre
 pack() {
     local dir="$1" archive="$2" tmp
     shift 2
-    grep -qxF "/$dir/" "$exclude" 2>/dev/null || echo "/$dir/" >>"$exclude"
+    ignore "/$dir/"
     tmp=$(mktemp -d)
     mkdir -p "$tmp/gpu-bin/kernels"
     cp gpu-bin/build-root gpu-bin/kernels.list "$tmp/gpu-bin/"
@@ -74,7 +81,7 @@ unpack-kernels)
     unpack_kernels
     ;;
 build)
-    grep -qxF '/gpu-bin/' "$exclude" 2>/dev/null || echo '/gpu-bin/' >>"$exclude"
+    ignore '/gpu-bin/'
     if ! ldconfig -p 2>/dev/null | grep -q libnvrtc.so.13 && [[ "${LD_LIBRARY_PATH:-}" != *cu13* ]]; then
         eval "$(bash scripts/setup_nvrtc.sh)"
     fi
