@@ -51,9 +51,11 @@
 //!
 //! Usage (the H200 has no NVRTC: the cubins come from `FLASHPLAN_KERNEL_CACHE`, see `scripts/gpu_bench.sh`):
 //! `gpu_bench [--layers N] [--iters N] [--verify] [--streams] [--windows] [--drafter] [--read-floor] [--all] [--list]
-//! [--nodes] [--pdl-ab]`. `--read-floor` times a plain read of as many bytes as each of a layer's largest weight streams and the
+//! [--nodes] [--in-context] [--pdl-ab]`. `--read-floor` times a plain read of as many bytes as each of a layer's largest weight streams and the
 //! lm_head, as one graph node (`CudaBackend::read_floor`): what a node could take at best. `--nodes` prints every
-//! node of lone-w1 and lone-w16 in plan order with its time (instead of the 12 largest). `--all` = `--verify
+//! node of lone-w1 and lone-w16 in plan order with its time (instead of the 12 largest). `--in-context` also times
+//! every prefix of those two graphs (`CudaBackend::prefix_times`) and prints each node's in-context cost: what it
+//! adds to the replay, overlaps and gaps included, beside its time alone, summed per layer and per op. `--all` = `--verify
 //! --streams --windows --drafter --read-floor`. `--list` needs no GPU: it prints the node list and bytes, and for
 //! the chosen tables their byte counts (the distinct experts bounded: top-k per MoE layer when every row
 //! routes alike, `min(rows x top-k, experts)` when no two rows share an expert; exact for one row). `--pdl-ab` (alone:
@@ -885,6 +887,7 @@ fn main() -> anyhow::Result<()> {
     let windows_t = all || flag("--windows");
     let drafter_t = all || flag("--drafter");
     let all_nodes = flag("--nodes");
+    let in_context = flag("--in-context");
     let read_floor_t = all || flag("--read-floor");
     let pdl_ab = flag("--pdl-ab");
     let cfg = config(layers)?;
@@ -1133,6 +1136,17 @@ fn main() -> anyhow::Result<()> {
         );
     }
     profile_tables(&body, &profiles, layers, all_nodes);
+    if in_context {
+        for (kind, r, _) in profiles
+            .iter()
+            .filter(|(k, ..)| matches!(k, VariantKind::Lone { window: 1 | 16 }))
+        {
+            let (_, rows) = kind.shape();
+            let d = desc_streams(1, rows, pos, 1000 + rows as u64);
+            let prefix = be.prefix_times(*kind, &d, iters)?;
+            in_context_table(&body, *kind, r, &prefix);
+        }
+    }
     if read_floor_t {
         read_floor_table(&be, &cfg)?;
     }
@@ -1250,6 +1264,59 @@ fn kernel_table(body: &PlanBody, kind: VariantKind, r: &BenchResult, all_nodes: 
             what,
             t
         );
+    }
+}
+
+/// Every node of a variant with its in-context cost (`--in-context`): its entry of
+/// [`CudaBackend::prefix_times`] minus the one before, next to its time alone (`CudaBackend::bench`'s node time),
+/// then the in-context costs summed per layer and per kernel. `prefix`: the prefix times, one per node.
+fn in_context_table(body: &PlanBody, kind: VariantKind, r: &BenchResult, prefix: &[f64]) {
+    let v = body.variant(kind).unwrap();
+    let full = prefix.last().copied().unwrap_or(0.0);
+    println!(
+        "\n{}: in-context node costs (the replay of nodes 0..=k minus that of 0..k, medians of the same replays; \
+         the whole prefix {:.1} us, the variant's replay {:.1} us); alone: the node's bench time",
+        kind.name(),
+        full,
+        r.median_us
+    );
+    println!("| node | layer | kernel | alone us | in context us | cumulative us |");
+    println!("|---|---|---|---|---|---|");
+    let mut per_layer: Vec<(String, f64, f64)> = Vec::new();
+    let mut per_kernel: BTreeMap<&str, (f64, f64)> = BTreeMap::new();
+    let mut before = 0.0;
+    for (i, n) in v.nodes.iter().enumerate() {
+        let cost = prefix[i] - before;
+        before = prefix[i];
+        let alone = r.nodes_us[i];
+        let label = layer_label(body, n);
+        println!(
+            "| {i} | {label} | {} | {alone:.1} | {cost:.1} | {:.1} |",
+            n.op.kernel(),
+            prefix[i]
+        );
+        match per_layer.last_mut() {
+            Some((l, a, c)) if *l == label => {
+                *a += alone;
+                *c += cost;
+            }
+            _ => per_layer.push((label, alone, cost)),
+        }
+        let e = per_kernel.entry(n.op.kernel()).or_default();
+        e.0 += alone;
+        e.1 += cost;
+    }
+    println!("\n| layer | alone us | in context us |");
+    println!("|---|---|---|");
+    for (l, a, c) in &per_layer {
+        println!("| {l} | {a:.1} | {c:.1} |");
+    }
+    let mut kernels: Vec<_> = per_kernel.into_iter().collect();
+    kernels.sort_by(|a, b| b.1 .1.total_cmp(&a.1 .1));
+    println!("\n| op | alone us | in context us |");
+    println!("|---|---|---|");
+    for (k, (a, c)) in &kernels {
+        println!("| {k} | {a:.1} | {c:.1} |");
     }
 }
 

@@ -192,6 +192,7 @@ enum Cmd {
         Sender<Result<BenchResult, BackendError>>,
     ),
     Replays(usize, Vec<u8>, u32, Sender<Result<f64, BackendError>>),
+    Prefixes(usize, Vec<u8>, u32, Sender<Result<Vec<f64>, BackendError>>),
     ReadFloor(Vec<u64>, Sender<Result<Vec<f64>, BackendError>>),
     GridSms(u32, Sender<Result<(), BackendError>>),
     /// Sets a launch switch; replies with the setting it replaced.
@@ -419,6 +420,27 @@ impl CudaBackend {
     ) -> Result<f64, BackendError> {
         let (idx, bytes) = self.prepare_replay(kind, desc)?;
         self.call(|tx| Cmd::Replays(idx, bytes, iters, tx))
+    }
+
+    /// Each node's cost in the variant's own graph: for every node k, the median time of `iters` replays (after
+    /// warm-up, CUDA events) of a graph holding the variant's launches up to and including node k's, as the
+    /// variant's graph captures them (side branches forked and joined where it does; one still open at the prefix's
+    /// end is joined there), microseconds, in node order. Node k's in-context cost is its entry minus the one before
+    /// (the first node's includes the graph launch): what it adds to the replay, its overlap with the launches around
+    /// it and the gaps between them included, where [`Self::bench`]'s node times take each node alone. A node
+    /// without a launch of its own (fused into another's) repeats the entry before it. The last entry is a full
+    /// replay. Benchmark only: the replays repeat their side effects.
+    ///
+    /// # Errors
+    /// As [`Backend::run`].
+    pub fn prefix_times(
+        &mut self,
+        kind: VariantKind,
+        desc: &RoundDesc,
+        iters: u32,
+    ) -> Result<Vec<f64>, BackendError> {
+        let (idx, bytes) = self.prepare_replay(kind, desc)?;
+        self.call(|tx| Cmd::Prefixes(idx, bytes, iters, tx))
     }
 
     /// What a plain read of each of `sizes` bytes costs as one graph node, microseconds: the yardstick for a node

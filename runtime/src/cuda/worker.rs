@@ -274,6 +274,9 @@ impl Worker {
                 Cmd::Replays(i, d, iters, tx) => {
                     let _ = tx.send(self.replays(i, &d, iters));
                 }
+                Cmd::Prefixes(i, d, iters, tx) => {
+                    let _ = tx.send(self.prefixes(i, &d, iters));
+                }
                 Cmd::ReadFloor(sizes, tx) => {
                     let _ = tx.send(self.read_floor(&sizes));
                 }
@@ -571,7 +574,9 @@ impl Worker {
     }
 
     /// Captures the launches of `specs`, in order, into an instantiated graph (on our stream, thread-local mode);
-    /// with `branches` the side launches on the side stream (`launch::LaunchSpec::side`), else in line.
+    /// with `branches` the side launches on the side stream (`launch::LaunchSpec::side`), else in line. A side branch
+    /// still open after the last spec (a prefix of a variant's launches, [`Self::prefixes`]) joins the main stream
+    /// at the end; a variant's whole list has none open.
     fn capture_graph<'s>(
         &self,
         specs: impl Iterator<Item = &'s launch::LaunchSpec>,
@@ -587,12 +592,28 @@ impl Worker {
         .map_err(dev_err("begin capture"))?;
         let mut launched = Ok(());
         let mut prefetched = false;
+        let mut side_open = false;
         for sp in specs {
             prefetched |= branches && !sp.prefetch.is_empty();
+            if branches && sp.join_before.is_some() {
+                side_open = false;
+            }
+            side_open |= branches && !sp.side.is_empty();
             launched = self.launch(sp, branches);
             if launched.is_err() {
                 break;
             }
+        }
+        if launched.is_ok() && side_open {
+            // SAFETY: the join event was recorded on the side stream in this capture, after its last launch.
+            launched = unsafe {
+                result::stream::wait_event(
+                    self.cu(),
+                    self.join.0,
+                    sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                )
+            }
+            .map_err(dev_err("join"));
         }
         if launched.is_ok() && prefetched {
             // The prefetch branch joins the main stream once, at the end (nothing waits for it before).
@@ -649,15 +670,52 @@ impl Worker {
         self.upload_desc(d)?;
         self.sync()?;
         let ev = (Event::new()?, Event::new()?);
-        // Replays keep re-running the same round (state commits repeat on the same positions: same work).
+        self.median_replay(&ev, &|t| t.replay(i), iters)
+    }
+
+    /// Median of `iters` timed runs of `replay` after 5 untimed ones, microseconds. Replays keep re-running the
+    /// same round (state commits repeat on the same positions: the same work).
+    fn median_replay(
+        &self,
+        ev: &(Event, Event),
+        replay: &dyn Fn(&Self) -> Result<(), BackendError>,
+        iters: u32,
+    ) -> Result<f64, BackendError> {
         for _ in 0..5 {
-            self.timed(&ev, &|t| t.replay(i))?;
+            self.timed(ev, replay)?;
         }
         let mut ts: Vec<f64> = (0..iters.max(1))
-            .map(|_| self.timed(&ev, &|t| t.replay(i)).map(|ms| ms as f64 * 1e3))
+            .map(|_| self.timed(ev, replay).map(|ms| ms as f64 * 1e3))
             .collect::<Result<_, _>>()?;
         ts.sort_by(|a, b| a.total_cmp(b));
         Ok(ts[ts.len() / 2])
+    }
+
+    /// [`CudaBackend::prefix_times`]: for every node k of variant `i`, the median replay of a graph of the launches
+    /// of nodes 0 ..= k (captured as the variant's graph is, branches included), microseconds.
+    fn prefixes(&mut self, i: usize, d: &[u8], iters: u32) -> Result<Vec<f64>, BackendError> {
+        let specs = self.specs(i)?;
+        self.upload_desc(d)?;
+        self.sync()?;
+        let ev = (Event::new()?, Event::new()?);
+        let mut out = Vec::with_capacity(specs.len());
+        let mut last = 0.0;
+        for k in 0..specs.len() {
+            if specs[k].is_some() {
+                let g = self.capture_graph(specs[..=k].iter().flatten(), true)?;
+                last = self.median_replay(
+                    &ev,
+                    &|t| {
+                        // SAFETY: an instantiated graph on our stream.
+                        unsafe { result::graph::launch(g.exec, t.cu()) }
+                            .map_err(dev_err("graph launch"))
+                    },
+                    iters,
+                )?;
+            }
+            out.push(last);
+        }
+        Ok(out)
     }
 
     /// [`CudaBackend::read_floor`].
