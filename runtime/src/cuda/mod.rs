@@ -429,7 +429,11 @@ impl CudaBackend {
     /// (the first node's includes the graph launch): what it adds to the replay, its overlap with the launches around
     /// it and the gaps between them included, where [`Self::bench`]'s node times take each node alone. A node
     /// without a launch of its own (fused into another's) repeats the entry before it. The last entry is a full
-    /// replay. Benchmark only: the replays repeat their side effects.
+    /// replay. A branch still running where a prefix ends (the side branch, or the L2 prefetch branch of 8 to 16
+    /// rows) is waited for there, so the node before such an end takes on the branch's remaining time and the nodes
+    /// after it may cost less (their weights already in L2): only sums over a span that ends where the variant's
+    /// graph joins its branches (a layer, the replay) are free of that. Benchmark only: the replays repeat their side
+    /// effects.
     ///
     /// # Errors
     /// As [`Backend::run`].
