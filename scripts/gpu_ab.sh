@@ -17,7 +17,8 @@
 #      build NAME with FLASHPLAN_AB=MODE, for a temporary switch in the code that picks between variants of one
 #      build (read it with std::env::var("FLASHPLAN_AB") and remove it before the commit); its outputs go to
 #      $OUT/NAME-MODE.PASS.txt. GPU_AB_ARGS adds gpu_bench arguments to every run (e.g. "--streams" for the
-#      stream-count table, "--windows" for the 12-row window); the lines printed are every variant row of the tables.
+#      stream-count table, "--windows" for the 12-row window, "--in-context" for every node's cost in its own graph at
+#      1 and 16 rows, in the output files); the lines printed are every variant row of the tables.
 #   3. On the H200, what one kernel does (Nsight Compute, which the H200 machine has at /usr/local/cuda/bin/ncu):
 #                                                bash scripts/gpu_ab.sh ncu NAME[:MODE] KERNEL_REGEX
 #      profiles one launch, the first of the entry points matching KERNEL_REGEX after NCU_SKIP of them (the variants
