@@ -432,8 +432,9 @@ impl CudaBackend {
     /// replay. A branch still running where a prefix ends (the side branch, or the L2 prefetch branch of 8 to 16
     /// rows) is waited for there, so the node before such an end takes on the branch's remaining time and the nodes
     /// after it may cost less (their weights already in L2): only sums over a span that ends where the variant's
-    /// graph joins its branches (a layer, the replay) are free of that. Benchmark only: the replays repeat their side
-    /// effects.
+    /// graph joins its branches are free of that (at one row a layer, whose side branches join inside it; with the
+    /// prefetch branch, which joins at the graph's end, only the whole replay). Benchmark only: the replays repeat
+    /// their side effects.
     ///
     /// # Errors
     /// As [`Backend::run`].
