@@ -1269,7 +1269,7 @@ fn kernel_table(body: &PlanBody, kind: VariantKind, r: &BenchResult, all_nodes: 
 
 /// Every node of a variant with its in-context cost (`--in-context`): its entry of
 /// [`CudaBackend::prefix_times`] minus the one before, next to its time alone (`CudaBackend::bench`'s node time),
-/// then the in-context costs summed per layer and per kernel. `prefix`: the prefix times, one per node.
+/// then both summed per layer label (`layer_label`: the head's embedding and final nodes in one row) and per op. `prefix`: the prefix times, one per node.
 fn in_context_table(body: &PlanBody, kind: VariantKind, r: &BenchResult, prefix: &[f64]) {
     let v = body.variant(kind).unwrap();
     let full = prefix.last().copied().unwrap_or(0.0);
@@ -1295,17 +1295,29 @@ fn in_context_table(body: &PlanBody, kind: VariantKind, r: &BenchResult, prefix:
             n.op.kernel(),
             prefix[i]
         );
-        match per_layer.last_mut() {
-            Some((l, a, c)) if *l == label => {
+        // One row per label: a layer's PLE prep nodes (placed before the layer before it) and the head's embedding
+        // join their label's row.
+        match per_layer.iter_mut().find(|(l, ..)| *l == label) {
+            Some((_, a, c)) => {
                 *a += alone;
                 *c += cost;
             }
-            _ => per_layer.push((label, alone, cost)),
+            None => per_layer.push((label, alone, cost)),
         }
         let e = per_kernel.entry(n.op.kernel()).or_default();
         e.0 += alone;
         e.1 += cost;
     }
+    // Layers in order, then the head, then the commits.
+    per_layer.sort_by_key(|(l, ..)| match l.as_str() {
+        "head" => usize::MAX - 1,
+        "commit" => usize::MAX,
+        l => l
+            .strip_prefix('L')
+            .and_then(|r| r.split(' ').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(usize::MAX - 2),
+    });
     println!("\n| layer | alone us | in context us |");
     println!("|---|---|---|");
     for (l, a, c) in &per_layer {
