@@ -1269,7 +1269,8 @@ fn kernel_table(body: &PlanBody, kind: VariantKind, r: &BenchResult, all_nodes: 
 
 /// Every node of a variant with its in-context cost (`--in-context`): its entry of
 /// [`CudaBackend::prefix_times`] minus the one before, next to its time alone (`CudaBackend::bench`'s node time),
-/// then both summed per layer label (`layer_label`: the head's embedding and final nodes in one row) and per op. `prefix`: the prefix times, one per node.
+/// then both summed per layer (in layer order, then the head with its embedding, then the commits) and per op.
+/// `prefix`: the prefix times, one per node.
 fn in_context_table(body: &PlanBody, kind: VariantKind, r: &BenchResult, prefix: &[f64]) {
     let v = body.variant(kind).unwrap();
     let full = prefix.last().copied().unwrap_or(0.0);
@@ -1282,7 +1283,9 @@ fn in_context_table(body: &PlanBody, kind: VariantKind, r: &BenchResult, prefix:
     );
     println!("| node | layer | kernel | alone us | in context us | cumulative us |");
     println!("|---|---|---|---|---|---|");
-    let mut per_layer: Vec<(String, f64, f64)> = Vec::new();
+    // Keyed by the node's layer (the head after every layer, the commits last), so a layer's PLE prep nodes, placed
+    // before the layer before it, and the head's embedding join their layer's row.
+    let mut per_layer: BTreeMap<(usize, String), (f64, f64)> = BTreeMap::new();
     let mut per_kernel: BTreeMap<&str, (f64, f64)> = BTreeMap::new();
     let mut before = 0.0;
     for (i, n) in v.nodes.iter().enumerate() {
@@ -1295,32 +1298,24 @@ fn in_context_table(body: &PlanBody, kind: VariantKind, r: &BenchResult, prefix:
             n.op.kernel(),
             prefix[i]
         );
-        // One row per label: a layer's PLE prep nodes (placed before the layer before it) and the head's embedding
-        // join their label's row.
-        match per_layer.iter_mut().find(|(l, ..)| *l == label) {
-            Some((_, a, c)) => {
-                *a += alone;
-                *c += cost;
-            }
-            None => per_layer.push((label, alone, cost)),
-        }
+        let order = n.layer.map_or(
+            if is_head(n) {
+                usize::MAX - 1
+            } else {
+                usize::MAX
+            },
+            |l| l as usize,
+        );
+        let e = per_layer.entry((order, label)).or_default();
+        e.0 += alone;
+        e.1 += cost;
         let e = per_kernel.entry(n.op.kernel()).or_default();
         e.0 += alone;
         e.1 += cost;
     }
-    // Layers in order, then the head, then the commits.
-    per_layer.sort_by_key(|(l, ..)| match l.as_str() {
-        "head" => usize::MAX - 1,
-        "commit" => usize::MAX,
-        l => l
-            .strip_prefix('L')
-            .and_then(|r| r.split(' ').next())
-            .and_then(|n| n.parse().ok())
-            .unwrap_or(usize::MAX - 2),
-    });
     println!("\n| layer | alone us | in context us |");
     println!("|---|---|---|");
-    for (l, a, c) in &per_layer {
+    for ((_, l), (a, c)) in &per_layer {
         println!("| {l} | {a:.1} | {c:.1} |");
     }
     let mut kernels: Vec<_> = per_kernel.into_iter().collect();
