@@ -312,7 +312,8 @@ typedef struct FpIndexerPrep {
     u32 pad;
 } FpIndexerPrep;
 
-/* Scratch: scores [rows, 2 * nb_max] f32 (indexer_score writes the first nb_max of each row). */
+/* Scratch: scores [rows, 2 * nb_max] f32 (indexer_score writes the first nb_max of each row). done: a u32 counter per
+ * row (the node's counters) where indexer_score's last block takes the row's selection, or 0 (indexer_select). */
 typedef struct FpIndexerSelect {
     FpCommon c;
     u64 q;
@@ -321,6 +322,7 @@ typedef struct FpIndexerSelect {
     u64 rope;
     u64 raw_keys;
     u64 pooled;
+    u64 done;
     u32 ih;
     u32 id;
     u32 rot_half;
