@@ -27,11 +27,10 @@ DEV void attn_head_prep(const float* x, const float* copy, const FpAttnPrep& p, 
     }
 }
 
-// Block (row, group of 8 heads over blockIdx.y), one warp per head: q = RoPE(q_norm(q part)), gate copied;
-// k = RoPE(k_norm(k)) and v written to the slot's caches at pos + j. A head's values never depend on the grid.
-extern "C" __global__ void attn_prep(const FpAttnPrep p) {
-    pdl_start();
-    __shared__ float buf[ATTN_WARPS][ATTN_MAX_HD];
+// Block (row, group of 8 heads: y of ny), one warp per head: q = RoPE(q_norm(q part)), gate copied; k =
+// RoPE(k_norm(k)) and v written to the slot's caches at pos + j. A head's values never depend on the grid. `buf`: the
+// block's shared buffer, ATTN_MAX_HD floats a warp.
+DEV void attn_prep_heads(const FpAttnPrep& p, u32 y, u32 ny, float (*buf)[ATTN_MAX_HD]) {
     const FpCommon& c = p.c;
     const u32 R = c.nstreams * c.window;
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -42,7 +41,7 @@ extern "C" __global__ void attn_prep(const FpAttnPrep p) {
         const FpStream& st = stream_of(c, s);
         const u32 pos = st.pos + j;
         float* b = buf[warp];
-        for (u32 hh = blockIdx.y * nw + warp; hh < p.heads + p.kv_heads; hh += gridDim.y * nw) {
+        for (u32 hh = y * nw + warp; hh < p.heads + p.kv_heads; hh += ny * nw) {
             if (hh < p.heads) {
                 const u64 o = (u64)r * p.heads * hd + hh * hd;
                 const float* src = fptr(p.q_raw) + (u64)r * p.heads * 2 * hd + (u64)hh * 2 * hd;
@@ -58,11 +57,15 @@ extern "C" __global__ void attn_prep(const FpAttnPrep p) {
         }
     }
 }
-
-// One block per row: ih query heads of id = RoPE(q_layernorm(.)) -> q_out; the raw key -> raw_keys[pos + j].
-extern "C" __global__ void indexer_prep(const FpIndexerPrep p) {
+extern "C" __global__ void attn_prep(const FpAttnPrep p) {
     pdl_start();
     __shared__ float buf[ATTN_WARPS][ATTN_MAX_HD];
+    attn_prep_heads(p, blockIdx.y, gridDim.y, buf);
+}
+
+// Block per row: ih query heads of id = RoPE(q_layernorm(.)) -> q_out; the raw key -> raw_keys[pos + j]. `buf` as
+// attn_prep_heads'.
+DEV void indexer_prep_rows(const FpIndexerPrep& p, float (*buf)[ATTN_MAX_HD]) {
     const FpCommon& c = p.c;
     const u32 R = c.nstreams * c.window;
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -92,6 +95,24 @@ extern "C" __global__ void indexer_prep(const FpIndexerPrep p) {
                 if (lane + 32 * u < id) rk[lane + 32 * u] = kv[u];
         }
     }
+}
+extern "C" __global__ void indexer_prep(const FpIndexerPrep p) {
+    pdl_start();
+    __shared__ float buf[ATTN_WARPS][ATTN_MAX_HD];
+    indexer_prep_rows(p, buf);
+}
+
+// attn_prep and indexer_prep of one layer in one launch (FLASHPLAN_FUSE_SMALL; runtime/src/cuda/launch/attn.rs
+// `fuse_preps`): the grid rows y below the last take attn_prep's heads as its own grid would (gridDim.y - 1 groups),
+// the last takes indexer_prep's row blockIdx.x. The two read and write disjoint buffers (the launch checks it), so
+// one wait on the projections serves both: the same values, one launch fewer a layer.
+extern "C" __global__ void attn_index_prep(const FpAttnIndexPrep p) {
+    pdl_start();
+    __shared__ float buf[ATTN_WARPS][ATTN_MAX_HD];
+    if (blockIdx.y + 1 < gridDim.y)
+        attn_prep_heads(p.attn, blockIdx.y, gridDim.y - 1, buf);
+    else
+        indexer_prep_rows(p.index, buf);
 }
 
 // QSA selection in one launch (`done` set: FLASHPLAN_FUSE_SMALL, up to NODE_COUNTERS rows) or two (one node).

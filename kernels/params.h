@@ -312,6 +312,12 @@ typedef struct FpIndexerPrep {
     u32 pad;
 } FpIndexerPrep;
 
+/* attn_prep and indexer_prep of one layer in one launch (attn_index_prep). */
+typedef struct FpAttnIndexPrep {
+    FpAttnPrep attn;
+    FpIndexerPrep index;
+} FpAttnIndexPrep;
+
 /* Scratch: scores [rows, 2 * nb_max] f32 (indexer_score writes the first nb_max of each row). done: a u32 counter per
  * row (the node's counters) where indexer_score's last block takes the row's selection, or 0 (indexer_select). */
 typedef struct FpIndexerSelect {

@@ -403,6 +403,8 @@ mod tests {
             "gated_norm",
             "attn_prep",
             "indexer_prep",
+            "attn_index_prep",
+            "indexer_score",
             "indexer_select",
             "sparse_attn_g4",
             "sparse_attn_g8",

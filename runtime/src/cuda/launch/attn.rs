@@ -260,3 +260,65 @@ pub(super) fn spec(
         _ => return Err(wrong_op("attn", op)),
     })
 }
+
+// The fused prep's parameters are the two launches' own, one after the other (no padding between them).
+const _: () = assert!(
+    std::mem::size_of::<FpAttnIndexPrep>()
+        == std::mem::size_of::<FpAttnPrep>() + std::mem::size_of::<FpIndexerPrep>()
+);
+
+/// With `FLASHPLAN_FUSE_SMALL`: an `AttnPrep` node directly followed by an `IndexerPrep` node launches both as one
+/// `attn_index_prep` (kernels/attn.cu): the attention prep's grid with one more grid row of y, which takes the
+/// indexer's rows; the `IndexerPrep` node has no launch of its own. Only where neither writes what the other reads
+/// or writes (the plan's buffers by their element ranges, the state pieces by id) and neither spec forks or joins a
+/// branch. The same work per block, so the same values; one launch fewer an attention layer.
+pub(super) fn fuse_preps(v: &Variant, out: &mut [Option<LaunchSpec>]) {
+    for i in 0..v.nodes.len().saturating_sub(1) {
+        let (
+            Op::AttnPrep {
+                q_raw,
+                k_raw,
+                v_raw,
+                q,
+                gate,
+                k_cache,
+                v_cache,
+                ..
+            },
+            Op::IndexerPrep {
+                qk,
+                q_out,
+                raw_keys,
+                ..
+            },
+        ) = (&v.nodes[i].op, &v.nodes[i + 1].op)
+        else {
+            continue;
+        };
+        let ov = |a: &[BufId], b: &[BufId]| {
+            a.iter()
+                .any(|&x| b.iter().any(|&y| crate::cuda::fuse::overlap(v, x, y)))
+        };
+        let disjoint = !ov(&[*q, *gate], &[*qk, *q_out])
+            && !ov(&[*q_out], &[*q_raw, *k_raw, *v_raw])
+            && raw_keys != k_cache
+            && raw_keys != v_cache;
+        let plain = |s: &LaunchSpec| {
+            s.then.is_empty()
+                && s.side.is_empty()
+                && s.prefetch.is_empty()
+                && s.join_before.is_none()
+        };
+        let (Some(ap), Some(ip)) = (&out[i], &out[i + 1]) else {
+            continue;
+        };
+        if !disjoint || !plain(ap) || !plain(ip) || ap.grid.0 != ip.grid.0 || ap.block != ip.block {
+            continue;
+        }
+        let mut params = ap.params.clone();
+        params.extend_from_slice(&ip.params);
+        let grid = (ap.grid.0, ap.grid.1 + 1, 1);
+        out[i] = Some(LaunchSpec::new("attn_index_prep", params, grid, ap.block.0));
+        out[i + 1] = None;
+    }
+}

@@ -70,8 +70,9 @@ pub(crate) struct Addrs<'a> {
     /// Fewer launches for the small ops (`FLASHPLAN_FUSE_SMALL`): the router in one launch up to
     /// `ROUTER_TILES_TOPK_ROWS` rows (its last blocks do the top-k), `hc_norm` in the write before it, the rest of a
     /// hyper-connection read in one launch up to 4 rows (`hc_read_one_t*`), one row's experts in one launch, an embed
-    /// or gather inside the norm after it (`rows::fuse_row_norms`), the indexer's selection in its score launch up to
-    /// [`NODE_COUNTERS`] rows. Same bits either way.
+    /// or gather inside the norm after it (`rows::fuse_row_norms`), an attention layer's two preps in one launch
+    /// (`attn::fuse_preps`), the indexer's selection in its score launch up to [`NODE_COUNTERS`] rows. Same bits
+    /// either way.
     pub fuse_small: bool,
     /// Streaming multiprocessors of the GPU (132 on the H200), for the one-wave grids ([`linear::one_wave`]).
     pub sms: u32,
@@ -336,6 +337,7 @@ pub(crate) fn specs(
     if a.fuse_small {
         fuse_hc_norm(a, v, &mut out)?;
         rows::fuse_row_norms(a, v, &mut out)?;
+        attn::fuse_preps(v, &mut out);
     }
     for (sp, n) in out.iter_mut().zip(&v.nodes) {
         if commit_in_window_one(v, &n.op) {

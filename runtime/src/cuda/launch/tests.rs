@@ -335,6 +335,60 @@ fn two_ple_layers_share_one_fork_and_each_ple_mix_joins() {
 }
 
 #[test]
+fn an_attention_layers_two_preps_launch_as_one_with_both_parameters() {
+    let mut fused = 0;
+    for fuse_small in [true, false] {
+        let plain = tiny_specs(false);
+        for ((v, sp), (_, unfused)) in tiny_specs(fuse_small).into_iter().zip(&plain) {
+            for (i, n) in v.nodes.iter().enumerate() {
+                let Op::AttnPrep {
+                    heads, kv_heads, ..
+                } = n.op
+                else {
+                    continue;
+                };
+                assert!(
+                    matches!(v.nodes[i + 1].op, Op::IndexerPrep { .. }),
+                    "the indexer's prep follows"
+                );
+                let what = format!("{} node {i}, fuse_small {fuse_small}", v.kind.name());
+                let (ap, ip) = (
+                    unfused[i].as_ref().expect("attn_prep"),
+                    unfused[i + 1].as_ref().expect("indexer_prep"),
+                );
+                assert_eq!(
+                    (ap.kernel, ip.kernel),
+                    ("attn_prep", "indexer_prep"),
+                    "{what}"
+                );
+                let s = sp[i].as_ref().expect("a launch");
+                if !fuse_small {
+                    assert_eq!(s.kernel, "attn_prep", "{what}");
+                    assert!(sp[i + 1].is_some(), "{what}");
+                    continue;
+                }
+                fused += 1;
+                assert_eq!(s.kernel, "attn_index_prep", "{what}");
+                assert!(sp[i + 1].is_none(), "{what}: no indexer_prep launch");
+                let rows = ap.grid.0;
+                assert_eq!(
+                    s.grid,
+                    (rows, (heads + kv_heads).div_ceil(8) + 1, 1),
+                    "{what}: one more grid row"
+                );
+                assert_eq!((ip.grid.0, s.block), (rows, (256, 1, 1)), "{what}");
+                assert_eq!(
+                    s.params,
+                    [ap.params.clone(), ip.params.clone()].concat(),
+                    "{what}: both parameters"
+                );
+            }
+        }
+    }
+    assert!(fused > 0, "attention layers in the tiny plan");
+}
+
+#[test]
 fn the_indexer_selects_in_its_score_launch_up_to_node_counters_rows() {
     let body = crate::cuda::fuse::tests::tiny_plan_for(vec![1, 16], |_| {});
     let mut seen = [false; 3];
