@@ -127,9 +127,11 @@ extern "C" __global__ void attn_index_prep(const FpAttnIndexPrep p) {
 //   lowest-index ties; the kept ids are written in ascending order (block prefix sums). The set and its order do
 //   not depend on the block size.
 // Row r's selection by the whole block (indexer_score's last block or indexer_select's; blockDim.x a multiple of 32,
-// at most 1024). CG: the scores read through L2 (written by the other blocks of this launch).
+// at most 1024). CG: the scores were written by the other blocks of this launch; they are read through L2, and
+// when they fit `stage` (cap u32) first copied there with every load of a thread in flight (the radix passes then
+// read them from shared memory: through L2 a pass took 4 dependent round trips a thread at 256 threads).
 template <bool CG>
-DEV void indexer_select_row(const FpIndexerSelect& p, u32 r) {
+DEV void indexer_select_row(const FpIndexerSelect& p, u32 r, u32* stage = nullptr, u32 cap = 0) {
     __shared__ u32 hist[256];
     __shared__ u32 scan[33];
     __shared__ u32 res[2];
@@ -145,7 +147,25 @@ DEV void indexer_select_row(const FpIndexerSelect& p, u32 r) {
         return;
     }
     const u32* sc = (const u32*)(fptr(c.scratch) + (u64)r * 2 * p.nb_max);
+    const bool staged = CG && nb <= cap;
+    if (staged) {
+        for (u32 b0 = 0; b0 < nb; b0 += 8 * blockDim.x) {
+            u32 v[8];
+#pragma unroll
+            for (int u = 0; u < 8; u++) {
+                const u32 b = b0 + u * blockDim.x + threadIdx.x;
+                v[u] = b < nb ? ld_cg_u32(sc + b) : 0u;
+            }
+#pragma unroll
+            for (int u = 0; u < 8; u++) {
+                const u32 b = b0 + u * blockDim.x + threadIdx.x;
+                if (b < nb) stage[b] = v[u];
+            }
+        }
+        __syncthreads();
+    }
     const auto key = [=](u32 b) -> u32 {
+        if (staged) return stage[b];
         if constexpr (CG)
             return ld_cg_u32(sc + b);
         else
@@ -265,7 +285,9 @@ extern "C" __global__ void indexer_score(const FpIndexerSelect p) {
         __syncthreads();
     }
     // Grid row blockIdx.x is row blockIdx.x (gridDim.x = R): its blocks wrote its scores, all of them and no others'.
-    if (p.done && last_block_in(uptr(p.done) + blockIdx.x, gridDim.y)) indexer_select_row<true>(p, blockIdx.x);
+    // The block is done with qs: it stages the row's scores there.
+    if (p.done && last_block_in(uptr(p.done) + blockIdx.x, gridDim.y))
+        indexer_select_row<true>(p, blockIdx.x, (u32*)qs, IDX_MAX_Q);
 }
 
 extern "C" __global__ void indexer_select(const FpIndexerSelect p) {
