@@ -115,93 +115,13 @@ extern "C" __global__ void attn_index_prep(const FpAttnIndexPrep p) {
         indexer_prep_rows(p.index, buf);
 }
 
-// QSA selection in one launch (`done` set: FLASHPLAN_FUSE_SMALL, up to NODE_COUNTERS rows) or two (one node).
-// Scores live in scratch [rows, 2 nb_max].
+// QSA selection in two launches (one node). Scores live in scratch [rows, 2 nb_max].
 // - indexer_score: block (row, SC_CHUNK visible blocks), a warp per block: sum over indexer heads (in order) of
 //   relu(q_h . k_b) / sqrt(id), with k_b the pooled key when committed, else computed from the raw keys. The
 //   lane takes 4 consecutive dims at a time, then a fixed warp tree: a block's score never depends on the grid.
-//   With `done`, the last of a row's blocks to finish (a counter per row, common.cuh `last_block_in`) takes the
-//   row's selection below (its 256 threads, the scores read through L2), and indexer_select is not launched.
-// - indexer_select: block per row (1024 threads), `indexer_select_row`: radix select of the topk-th largest score,
-//   then the blocks above it and the lowest-index blocks equal to it: the same set as repeated argmax with
-//   lowest-index ties; the kept ids are written in ascending order (block prefix sums). The set and its order do
-//   not depend on the block size.
-// Row r's selection by the whole block (indexer_score's last block or indexer_select's; blockDim.x a multiple of 32,
-// at most 1024). CG: the scores were written by the other blocks of this launch; they are read through L2, and
-// when they fit `stage` (cap u32) first copied there with every load of a thread in flight (the radix passes then
-// read them from shared memory: through L2 a pass took 4 dependent round trips a thread at 256 threads).
-template <bool CG>
-DEV void indexer_select_row(const FpIndexerSelect& p, u32 r, u32* stage = nullptr, u32 cap = 0) {
-    __shared__ u32 hist[256];
-    __shared__ u32 scan[33];
-    __shared__ u32 res[2];
-    const FpCommon& c = p.c;
-    u32 s, j;
-    if (!real_row(c, r, s, j)) return;
-    const FpStream& st = stream_of(c, s);
-    const u32 pos = st.pos + j;
-    const u32 nb = (pos + 1) / p.ratio;
-    u32* sel = uptr(p.sel) + (u64)r * p.topk;
-    if (nb <= p.topk) {
-        for (u32 i = threadIdx.x; i < p.topk; i += blockDim.x) sel[i] = i < nb ? i : 0xffffffffu;
-        return;
-    }
-    const u32* sc = (const u32*)(fptr(c.scratch) + (u64)r * 2 * p.nb_max);
-    const bool staged = CG && nb <= cap;
-    if (staged) {
-        for (u32 b0 = 0; b0 < nb; b0 += 8 * blockDim.x) {
-            u32 v[8];
-#pragma unroll
-            for (int u = 0; u < 8; u++) {
-                const u32 b = b0 + u * blockDim.x + threadIdx.x;
-                v[u] = b < nb ? ld_cg_u32(sc + b) : 0u;
-            }
-#pragma unroll
-            for (int u = 0; u < 8; u++) {
-                const u32 b = b0 + u * blockDim.x + threadIdx.x;
-                if (b < nb) stage[b] = v[u];
-            }
-        }
-        __syncthreads();
-    }
-    const auto key = [=](u32 b) -> u32 {
-        if (staged) return stage[b];
-        if constexpr (CG)
-            return ld_cg_u32(sc + b);
-        else
-            return sc[b];
-    };
-    // Radix select of the topk-th largest score (scores are >= +0, so their bit patterns order as u32).
-    u32 prefix, need;
-    block_kth_largest(key, nb, p.topk, hist, res, prefix, need);
-    // prefix is now the threshold score: keep every block above it and the `need` lowest-index blocks equal to it
-    // (score desc, id asc). Thread t owns the contiguous blocks [t * per, (t + 1) * per); ids in ascending order.
-    const u32 per = (nb + blockDim.x - 1) / blockDim.x;
-    const u32 lo = threadIdx.x * per < nb ? threadIdx.x * per : nb;
-    const u32 hi = lo + per < nb ? lo + per : nb;
-    u32 eq = 0;
-    for (u32 b = lo; b < hi; b++) eq += key(b) == prefix ? 1u : 0u;
-    u32 total;
-    const u32 eq_before = block_scan_u32(eq, scan, total);
-    u32 mine = 0, e = eq_before;
-    for (u32 b = lo; b < hi; b++) {
-        const u32 x = key(b);
-        const bool keep = x > prefix || (x == prefix && e < need);
-        e += x == prefix ? 1u : 0u;
-        mine += keep ? 1u : 0u;
-    }
-    u32 off = block_scan_u32(mine, scan, total);
-    e = eq_before;
-    for (u32 b = lo; b < hi; b++) {
-        const u32 x = key(b);
-        const bool keep = x > prefix || (x == prefix && e < need);
-        e += x == prefix ? 1u : 0u;
-        if (keep) sel[off++] = b;
-    }
-    for (u32 i = total + threadIdx.x; i < p.topk; i += blockDim.x) sel[i] = 0xffffffffu;
-    __syncthreads();
-}
-
+// - indexer_select: block per row (1024 threads): radix select of the topk-th largest score, then the blocks above
+//   it and the lowest-index blocks equal to it: the same set as repeated argmax with lowest-index ties; the kept
+//   ids are written in ascending order (block prefix sums).
 #define SC_CHUNK 16
 #define IDX_MAX_Q 4096
 extern "C" __global__ void indexer_score(const FpIndexerSelect p) {
@@ -284,15 +204,57 @@ extern "C" __global__ void indexer_score(const FpIndexerSelect p) {
         }
         __syncthreads();
     }
-    // Grid row blockIdx.x is row blockIdx.x (gridDim.x = R): its blocks wrote its scores, all of them and no others'.
-    // The block is done with qs: it stages the row's scores there.
-    if (p.done && last_block_in(uptr(p.done) + blockIdx.x, gridDim.y))
-        indexer_select_row<true>(p, blockIdx.x, (u32*)qs, IDX_MAX_Q);
 }
 
 extern "C" __global__ void indexer_select(const FpIndexerSelect p) {
     pdl_start();
-    for (u32 r = blockIdx.x; r < p.c.nstreams * p.c.window; r += gridDim.x) indexer_select_row<false>(p, r);
+    __shared__ u32 hist[256];
+    __shared__ u32 scan[33];
+    __shared__ u32 res[2];
+    const FpCommon& c = p.c;
+    const u32 R = c.nstreams * c.window;
+    for (u32 r = blockIdx.x; r < R; r += gridDim.x) {
+        u32 s, j;
+        if (!real_row(c, r, s, j)) continue;
+        const FpStream& st = stream_of(c, s);
+        const u32 pos = st.pos + j;
+        const u32 nb = (pos + 1) / p.ratio;
+        u32* sel = uptr(p.sel) + (u64)r * p.topk;
+        if (nb <= p.topk) {
+            for (u32 i = threadIdx.x; i < p.topk; i += blockDim.x) sel[i] = i < nb ? i : 0xffffffffu;
+            continue;
+        }
+        const u32* sc = (const u32*)(fptr(c.scratch) + (u64)r * 2 * p.nb_max);
+        // Radix select of the topk-th largest score (scores are >= +0, so their bit patterns order as u32).
+        u32 prefix, need;
+        block_kth_largest([=](u32 b) { return sc[b]; }, nb, p.topk, hist, res, prefix, need);
+        // prefix is now the threshold score: keep every block above it and the `need` lowest-index blocks equal to it
+        // (score desc, id asc). Thread t owns the contiguous blocks [t * per, (t + 1) * per); ids in ascending order.
+        const u32 per = (nb + blockDim.x - 1) / blockDim.x;
+        const u32 lo = threadIdx.x * per < nb ? threadIdx.x * per : nb;
+        const u32 hi = lo + per < nb ? lo + per : nb;
+        u32 eq = 0;
+        for (u32 b = lo; b < hi; b++) eq += sc[b] == prefix ? 1u : 0u;
+        u32 total;
+        const u32 eq_before = block_scan_u32(eq, scan, total);
+        u32 mine = 0, e = eq_before;
+        for (u32 b = lo; b < hi; b++) {
+            const u32 x = sc[b];
+            const bool keep = x > prefix || (x == prefix && e < need);
+            e += x == prefix ? 1u : 0u;
+            mine += keep ? 1u : 0u;
+        }
+        u32 off = block_scan_u32(mine, scan, total);
+        e = eq_before;
+        for (u32 b = lo; b < hi; b++) {
+            const u32 x = sc[b];
+            const bool keep = x > prefix || (x == prefix && e < need);
+            e += x == prefix ? 1u : 0u;
+            if (keep) sel[off++] = b;
+        }
+        for (u32 i = total + threadIdx.x; i < p.topk; i += blockDim.x) sel[i] = 0xffffffffu;
+        __syncthreads();
+    }
 }
 
 // Sparse attention in two launches (one node), flash-decoding style over a fixed token partition.

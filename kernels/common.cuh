@@ -124,24 +124,6 @@ DEV void group_barrier(u32* counter, u32 blocks, bool first) {
     }
     __syncthreads();
 }
-// Whether this block is the last of `blocks` blocks to count on `counter` (every block of them must call it; the block
-// returns with all its threads agreeing). The pattern of cooperative groups' grid sync: a barrier (the block's
-// writes happen before thread 0's fence), thread 0 alone `__threadfence()` then the count, and in the last block
-// thread 0 `__threadfence()` again after it, then a barrier: every other block's writes happen before the last
-// block's reads, which must bypass L1 (`ld_cg`: an SM's L1 may hold lines from before them). atomicInc wraps the
-// counter to 0 at the last count, ready for the next launch (graph replays). The routers' top-k (moe.cu
-// `router_last_block`) and the indexer's selection (attn.cu `indexer_score`).
-DEV bool last_block_in(u32* counter, u32 blocks) {
-    __shared__ u32 last;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        last = atomicInc(counter, blocks - 1) == blocks - 1 ? 1u : 0u;
-        if (last) __threadfence();
-    }
-    __syncthreads();
-    return last != 0;
-}
 DEV void grid_barrier(u32* counter) {
     group_barrier(counter, gridDim.x * gridDim.y * gridDim.z, blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0);
 }
@@ -602,8 +584,6 @@ DEV float slice_sum(float (*part)[NPW][T], u32 g, u32 S, u32 m, u32 t) {
 // first), four 8-bit digits from the top, each a shared-memory histogram of the keys sharing the digits chosen so
 // far (integer counts: the result does not depend on the order of the atomics). thr: that key; need: how many keys
 // equal to thr are within the top k. hist: 256 u32, res: 2 u32, both in shared memory. Every thread gets both.
-// blockDim.x a multiple of 32. The lanes of a warp whose keys share a digit add their count once (`__match_any_sync`:
-// the first digits of scores of one magnitude fall in a few bins, where one shared atomic a key serialised).
 template <class KeyF>
 DEV void block_kth_largest(KeyF key, u32 n, u32 k, u32* hist, u32* res, u32& thr, u32& need) {
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -612,14 +592,9 @@ DEV void block_kth_largest(KeyF key, u32 n, u32 k, u32* hist, u32* res, u32& thr
     for (int shift = 24; shift >= 0; shift -= 8) {
         for (u32 i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
         __syncthreads();
-        // Whole warps every round (the bound is the block's), so every lane takes part in the match.
-        for (u32 b0 = 0; b0 < n; b0 += blockDim.x) {
-            const u32 b = b0 + threadIdx.x;
-            const u32 x = b < n ? key(b) : 0u;
-            const bool in = b < n && (x & mask) == prefix;
-            const u32 digit = in ? (x >> shift) & 255u : 256u;
-            const u32 peers = __match_any_sync(FULL_MASK, digit);
-            if (in && lane == (u32)(__ffs(peers) - 1)) atomicAdd(&hist[digit], (u32)__popc(peers));
+        for (u32 b = threadIdx.x; b < n; b += blockDim.x) {
+            const u32 x = key(b);
+            if ((x & mask) == prefix) atomicAdd(&hist[(x >> shift) & 255u], 1u);
         }
         __syncthreads();
         if (warp == 0) {

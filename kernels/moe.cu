@@ -259,19 +259,29 @@ DEV void router_topk_row(const FpRouter& p, u32 r, u32 lane) {
 }
 
 // After the logits (p.done != 0): the last block of each grid row to finish does the top-k of that grid row's rows
-// (warp per row); the count wraps to 0 for the next launch (graph replay). The count is common.cuh `last_block_in`
-// (the block's logits, written by lane 0 of each warp, happen before thread 0's fence; every other block's logits
-// happen before the last block's reads, through L2: the top-k's `ld_cg`). H200 (thirty-eighth session, A/B passes
-// against a fence in every thread before the count and in every thread of the last block after it; the same
-// routing digests): the routers at 16 rows 71.7 -> 59.5 us a replay, verify-s16-w1 2289.8 / 2293.5 -> 2281.0 /
-// 2283.2 us, lone-w8 1541.2 / 1538.8 -> 1527.9 / 1528.6 us, lone-w16 2170.0 / 2167.1 -> 2156.4 / 2156.9 us; one row
-// unchanged. Integer count only; every logit is written by one warp before its block's count, so the top-k reads
-// each final value.
+// (warp per row); the count wraps to 0 for the next launch (graph replay). The pattern of cooperative groups' grid
+// sync (and of common.cuh group_barrier): a barrier (the block's logits, written by lane 0 of each warp, happen
+// before thread 0's fence), thread 0 alone `__threadfence()` (sm_90: MEMBAR.SC.GPU) then the count, and in the last
+// block thread 0 `__threadfence()` again after it, then a barrier (every other block's logits happen before the
+// block's reads). H200 (thirty-eighth session, A/B passes against a fence in every thread before the count and in
+// every thread of the last block after it; the same routing digests): the routers at 16 rows 71.7 -> 59.5 us a
+// replay, verify-s16-w1 2289.8 / 2293.5 -> 2281.0 / 2283.2 us, lone-w8 1541.2 / 1538.8 -> 1527.9 / 1528.6 us,
+// lone-w16 2170.0 / 2167.1 -> 2156.4 / 2156.9 us; one row unchanged. Integer count only; every logit is written by
+// one warp before its block's count, so the top-k reads each final value.
 template <int T, bool BLK = false>
 DEV void router_last_block(const FpRouter& p, u32 R) {
-    // Grid row y's own counter (p.done + y): its blocks wrote the logits of its rows (router_t's tiles), all of them
-    // and no others'.
-    if (!last_block_in(uptr(p.done) + blockIdx.y, gridDim.x)) return;
+    __shared__ u32 last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();  // the block's logits, device-wide, before its count
+        // Grid row y's own counter (p.done + y): its blocks wrote the logits of its rows (router_t's tiles), all of
+        // them and no others'. atomicInc wraps to 0 at the last block's count: the counter is 0 again for the next
+        // launch.
+        last = atomicInc(uptr(p.done) + blockIdx.y, gridDim.x - 1) == gridDim.x - 1 ? 1u : 0u;
+        if (last) __threadfence();  // every other block counted after its fence: their logits are visible from here
+    }
+    __syncthreads();
+    if (!last) return;
     if (BLK && R == 1 && blockDim.x == 256) {
         // One row: the block's 8 warps take its top-k together (router_topk_block).
         if (!row_ok(p.c, 0, false)) return;

@@ -318,8 +318,7 @@ typedef struct FpAttnIndexPrep {
     FpIndexerPrep index;
 } FpAttnIndexPrep;
 
-/* Scratch: scores [rows, 2 * nb_max] f32 (indexer_score writes the first nb_max of each row). done: a u32 counter per
- * row (the node's counters) where indexer_score's last block takes the row's selection, or 0 (indexer_select). */
+/* Scratch: scores [rows, 2 * nb_max] f32 (indexer_score writes the first nb_max of each row). */
 typedef struct FpIndexerSelect {
     FpCommon c;
     u64 q;
@@ -328,7 +327,6 @@ typedef struct FpIndexerSelect {
     u64 rope;
     u64 raw_keys;
     u64 pooled;
-    u64 done;
     u32 ih;
     u32 id;
     u32 rot_half;

@@ -45,11 +45,11 @@ pub(super) fn fuse_linear_setting() -> Result<bool, BackendError> {
 /// (`launch::hc::fuse_hc_norm`), the rest of the read up to 4 rows as one grid-barrier kernel (`hc_read_one_t*`) and
 /// beyond 4 rows lo's BF16 terms inside the down's launch (`hc_read_t4_wide_terms`, no `hc_mix_split`), one
 /// row's routed experts as one kernel with a barrier per rank (`experts_one`, then `experts_combine`), an `embed`
-/// or `gather_rows` inside the `rms_norm` after it (`launch::rows::fuse_row_norms`), an attention layer's
-/// `attn_prep` and `indexer_prep` as one `attn_index_prep` (`launch::attn::fuse_preps`), and the indexer's selection
-/// in the last block of its score launch (no `indexer_select`); `0` launches router_topk, hc_norm, hc_read,
-/// hc_mix_split, hc_mix_tc, experts, experts_down, embed, gather_rows, attn_prep, indexer_prep, indexer_select and
-/// the plain hc_write, add_broadcast and rms_norm on their own (for comparison; the results are the same bits, which `tests/gpu.rs`
+/// or `gather_rows` inside the `rms_norm` after it (`launch::rows::fuse_row_norms`), and an attention layer's
+/// `attn_prep` and `indexer_prep` as one `attn_index_prep` (`launch::attn::fuse_preps`); `0` launches router_topk,
+/// hc_norm, hc_read, hc_mix_split, hc_mix_tc, experts, experts_down, embed, gather_rows, attn_prep, indexer_prep and
+/// the plain hc_write, add_broadcast and rms_norm on their own (for comparison; the results are the same bits, which
+/// `tests/gpu.rs`
 /// checks).
 pub(super) fn fuse_small_setting() -> Result<bool, BackendError> {
     switch_setting("FLASHPLAN_FUSE_SMALL", "fewer launches for small ops", true)

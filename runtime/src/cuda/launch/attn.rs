@@ -42,13 +42,8 @@ pub(super) fn sparse_attn_combine_entry(blocks: u32, sms: u32) -> &'static str {
 }
 
 /// Parameters and launches of a sparse-attention node (`AttnPrep`, `IndexerPrep`, `IndexerSelect`, `SparseAttn`,
-/// `IndexerCommit`); `node`: its index in the variant, for its counters ([`node_counters`]).
-pub(super) fn spec(
-    a: &Addrs,
-    v: &Variant,
-    node: usize,
-    op: &Op,
-) -> Result<LaunchSpec, BackendError> {
+/// `IndexerCommit`).
+pub(super) fn spec(a: &Addrs, v: &Variant, op: &Op) -> Result<LaunchSpec, BackendError> {
     let (streams, window) = v.kind.shape();
     let rows = streams * window;
     let c = a.common;
@@ -145,8 +140,6 @@ pub(super) fn spec(
             eps,
             ..
         } => {
-            // The selection in the score launch's last block of each row (a counter per row), no second launch.
-            let select_in_score = a.fuse_small && rows <= NODE_COUNTERS;
             let p = FpIndexerSelect {
                 c,
                 q: a.buf(v, *q),
@@ -155,11 +148,6 @@ pub(super) fn spec(
                 rope: a.rope,
                 raw_keys: a.st(*raw_keys),
                 pooled: a.st(*pooled),
-                done: if select_in_score {
-                    node_counters(a, node)
-                } else {
-                    0
-                },
                 ih: *ih,
                 id: *id,
                 rot_half: half,
@@ -175,12 +163,11 @@ pub(super) fn spec(
                 )));
             }
             let chunks = p.nb_max.div_ceil(16);
-            let score = LaunchSpec::new("indexer_score", bytes(&p), (rows, chunks, 1), 256);
-            if select_in_score {
-                score
-            } else {
-                score.then("indexer_select", rows, 1024)
-            }
+            LaunchSpec::new("indexer_score", bytes(&p), (rows, chunks, 1), 256).then(
+                "indexer_select",
+                rows,
+                1024,
+            )
         }
         Op::SparseAttn {
             q,

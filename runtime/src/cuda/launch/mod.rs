@@ -71,8 +71,7 @@ pub(crate) struct Addrs<'a> {
     /// `ROUTER_TILES_TOPK_ROWS` rows (its last blocks do the top-k), `hc_norm` in the write before it, the rest of a
     /// hyper-connection read in one launch up to 4 rows (`hc_read_one_t*`), one row's experts in one launch, an embed
     /// or gather inside the norm after it (`rows::fuse_row_norms`), an attention layer's two preps in one launch
-    /// (`attn::fuse_preps`), the indexer's selection in its score launch up to [`NODE_COUNTERS`] rows. Same bits
-    /// either way.
+    /// (`attn::fuse_preps`). Same bits either way.
     pub fuse_small: bool,
     /// Streaming multiprocessors of the GPU (132 on the H200), for the one-wave grids ([`linear::one_wave`]).
     pub sms: u32,
@@ -388,7 +387,7 @@ fn node_spec(a: &Addrs, v: &Variant, node: usize, op: &Op) -> Result<LaunchSpec,
         | Op::IndexerPrep { .. }
         | Op::IndexerSelect { .. }
         | Op::SparseAttn { .. }
-        | Op::IndexerCommit { .. } => attn::spec(a, v, node, op),
+        | Op::IndexerCommit { .. } => attn::spec(a, v, op),
         Op::Router { .. } => router_spec(a, v, node, op),
         Op::Experts { .. } => experts_spec(a, v, node, op, 0),
         Op::SharedExpert { .. } => shared_expert_spec(a, v, op, None),

@@ -389,54 +389,6 @@ fn an_attention_layers_two_preps_launch_as_one_with_both_parameters() {
 }
 
 #[test]
-fn the_indexer_selects_in_its_score_launch_up_to_node_counters_rows() {
-    let body = crate::cuda::fuse::tests::tiny_plan_for(vec![1, 16], |_| {});
-    let mut seen = [false; 3];
-    for fuse_small in [true, false] {
-        for (v, sp) in specs_of(&body, fuse_small, SIDE_SCRATCH, 132) {
-            let (streams, window) = v.kind.shape();
-            let rows = streams * window;
-            for (i, (n, s)) in v.nodes.iter().zip(&sp).enumerate() {
-                if !matches!(n.op, Op::IndexerSelect { .. }) {
-                    continue;
-                }
-                let s = s.as_ref().expect("the selection launches");
-                let what = format!("{} node {i}, fuse_small {fuse_small}", v.kind.name());
-                assert_eq!(s.kernel, "indexer_score", "{what}");
-                assert_eq!(
-                    (s.grid.0, s.block),
-                    (rows, (256, 1, 1)),
-                    "{what}: block per row and chunk"
-                );
-                let p: FpIndexerSelect = params_of(s);
-                let in_score = fuse_small && rows <= NODE_COUNTERS;
-                seen[usize::from(fuse_small) + usize::from(in_score)] = true;
-                if in_score {
-                    assert!(s.then.is_empty(), "{what}: no indexer_select launch");
-                    assert_eq!(
-                        p.done,
-                        0x5000_0000 + 4 * NODE_COUNTERS as u64 * i as u64,
-                        "{what}: node {i}'s counters"
-                    );
-                } else {
-                    assert_eq!(
-                        s.then,
-                        vec![("indexer_select", (rows, 1, 1), 1024)],
-                        "{what}"
-                    );
-                    assert_eq!(p.done, 0, "{what}");
-                }
-            }
-        }
-    }
-    assert_eq!(
-        seen,
-        [true, true, true],
-        "two launches without the switch and beyond the counters, one within"
-    );
-}
-
-#[test]
 fn gdn_commit_is_left_out_exactly_in_windows_of_one_row() {
     let mut seen = [false; 2];
     for (v, sp) in tiny_specs(true) {
