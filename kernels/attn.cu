@@ -1,4 +1,5 @@
-// Attention with QSA sparse selection: attn_prep, indexer_prep, indexer_select, sparse_attn, indexer_commit.
+// Attention with QSA sparse selection: attn_prep, indexer_prep (or both as attn_index_prep), indexer_select,
+// sparse_attn, indexer_commit.
 #include "common.cuh"
 
 #define ATTN_MAX_HD 512

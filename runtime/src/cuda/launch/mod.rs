@@ -309,8 +309,9 @@ pub(crate) fn scratch_elems(body: &PlanBody, op: &Op, rows: u64) -> u64 {
 /// Launch specs of a variant, one entry per node in node order. With `fuse_linears`, each run of sibling linears
 /// (`fuse::launch_groups`) is one `linear_multi` launch standing at its first node's entry; the run's other
 /// nodes get `None` (no launch of their own). With `a.fuse_small`, an embed or gather run inside the norm after it
-/// gets `None` too (`rows::fuse_row_norms`), and so does a window-1 `GdnCommit` in every case (its work done by
-/// gdn_conv and gdn_recur_one). Every other node has its own launch.
+/// gets `None` too (`rows::fuse_row_norms`), as does an `IndexerPrep` launched with the `AttnPrep` before it
+/// (`attn::fuse_preps`), and so does a window-1 `GdnCommit` in every case (its work done by gdn_conv and
+/// gdn_recur_one). Every other node has its own launch.
 pub(crate) fn specs(
     a: &Addrs,
     v: &Variant,

@@ -337,55 +337,96 @@ fn two_ple_layers_share_one_fork_and_each_ple_mix_joins() {
 #[test]
 fn an_attention_layers_two_preps_launch_as_one_with_both_parameters() {
     let mut fused = 0;
-    for fuse_small in [true, false] {
-        let plain = tiny_specs(false);
-        for ((v, sp), (_, unfused)) in tiny_specs(fuse_small).into_iter().zip(&plain) {
-            for (i, n) in v.nodes.iter().enumerate() {
-                let Op::AttnPrep {
-                    heads, kv_heads, ..
-                } = n.op
-                else {
-                    continue;
-                };
-                assert!(
-                    matches!(v.nodes[i + 1].op, Op::IndexerPrep { .. }),
-                    "the indexer's prep follows"
-                );
-                let what = format!("{} node {i}, fuse_small {fuse_small}", v.kind.name());
-                let (ap, ip) = (
-                    unfused[i].as_ref().expect("attn_prep"),
-                    unfused[i + 1].as_ref().expect("indexer_prep"),
-                );
-                assert_eq!(
-                    (ap.kernel, ip.kernel),
-                    ("attn_prep", "indexer_prep"),
-                    "{what}"
-                );
-                let s = sp[i].as_ref().expect("a launch");
-                if !fuse_small {
-                    assert_eq!(s.kernel, "attn_prep", "{what}");
-                    assert!(sp[i + 1].is_some(), "{what}");
-                    continue;
-                }
-                fused += 1;
-                assert_eq!(s.kernel, "attn_index_prep", "{what}");
-                assert!(sp[i + 1].is_none(), "{what}: no indexer_prep launch");
-                let rows = ap.grid.0;
-                assert_eq!(
-                    s.grid,
-                    (rows, (heads + kv_heads).div_ceil(8) + 1, 1),
-                    "{what}: one more grid row"
-                );
-                assert_eq!((ip.grid.0, s.block), (rows, (256, 1, 1)), "{what}");
-                assert_eq!(
-                    s.params,
-                    [ap.params.clone(), ip.params.clone()].concat(),
-                    "{what}: both parameters"
-                );
-            }
+    for ((v, sp), (_, unfused)) in tiny_specs(true).into_iter().zip(tiny_specs(false)) {
+        for (i, n) in v.nodes.iter().enumerate() {
+            let Op::AttnPrep {
+                heads, kv_heads, ..
+            } = n.op
+            else {
+                continue;
+            };
+            assert!(
+                matches!(v.nodes[i + 1].op, Op::IndexerPrep { .. }),
+                "the indexer's prep follows"
+            );
+            let what = format!("{} node {i}", v.kind.name());
+            // Without FLASHPLAN_FUSE_SMALL each has its own launch.
+            let (ap, ip) = (
+                unfused[i].as_ref().expect("attn_prep"),
+                unfused[i + 1].as_ref().expect("indexer_prep"),
+            );
+            assert_eq!(
+                (ap.kernel, ip.kernel),
+                ("attn_prep", "indexer_prep"),
+                "{what}"
+            );
+            fused += 1;
+            let s = sp[i].as_ref().expect("a launch");
+            assert_eq!(s.kernel, "attn_index_prep", "{what}");
+            assert!(sp[i + 1].is_none(), "{what}: no indexer_prep launch");
+            let rows = ap.grid.0;
+            assert_eq!(
+                s.grid,
+                (rows, (heads + kv_heads).div_ceil(8) + 1, 1),
+                "{what}: one more grid row"
+            );
+            assert_eq!((ip.grid.0, s.block), (rows, (256, 1, 1)), "{what}");
+            assert_eq!(
+                s.params,
+                [ap.params.clone(), ip.params.clone()].concat(),
+                "{what}: both parameters"
+            );
         }
     }
     assert!(fused > 0, "attention layers in the tiny plan");
+}
+
+#[test]
+fn preps_that_share_a_buffer_or_a_state_piece_keep_their_own_launches() {
+    // The indexer's queries written over the attention's q, or its raw keys into the key cache: no fusion.
+    let aliases: [fn(&mut Op, &Op); 2] = [
+        |ip, ap| {
+            if let (Op::IndexerPrep { q_out, .. }, Op::AttnPrep { q, .. }) = (ip, ap) {
+                *q_out = *q;
+            }
+        },
+        |ip, ap| {
+            if let (Op::IndexerPrep { raw_keys, .. }, Op::AttnPrep { k_cache, .. }) = (ip, ap) {
+                *raw_keys = *k_cache;
+            }
+        },
+    ];
+    for alias in aliases {
+        let mut body = crate::cuda::fuse::tests::tiny_plan();
+        let mut edited = 0;
+        for v in &mut body.variants {
+            for i in 0..v.nodes.len() - 1 {
+                if matches!(v.nodes[i].op, Op::AttnPrep { .. }) {
+                    let ap = v.nodes[i].op.clone();
+                    alias(&mut v.nodes[i + 1].op, &ap);
+                    edited += 1;
+                }
+            }
+        }
+        assert!(edited > 0);
+        for (v, sp) in specs_of(&body, true, SIDE_SCRATCH, 132) {
+            for (i, n) in v.nodes.iter().enumerate() {
+                if matches!(n.op, Op::AttnPrep { .. }) {
+                    let what = format!("{} node {i}", v.kind.name());
+                    assert_eq!(
+                        sp[i].as_ref().map(|s| s.kernel),
+                        Some("attn_prep"),
+                        "{what}"
+                    );
+                    assert_eq!(
+                        sp[i + 1].as_ref().map(|s| s.kernel),
+                        Some("indexer_prep"),
+                        "{what}"
+                    );
+                }
+            }
+        }
+    }
 }
 
 #[test]
