@@ -49,8 +49,7 @@ pub(super) fn fuse_linear_setting() -> Result<bool, BackendError> {
 /// `attn_prep` and `indexer_prep` as one `attn_index_prep` (`launch::attn::fuse_preps`); `0` launches router_topk,
 /// hc_norm, hc_read, hc_mix_split, hc_mix_tc, experts, experts_down, embed, gather_rows, attn_prep, indexer_prep and
 /// the plain hc_write, add_broadcast and rms_norm on their own (for comparison; the results are the same bits, which
-/// `tests/gpu.rs`
-/// checks).
+/// `tests/gpu.rs` checks).
 pub(super) fn fuse_small_setting() -> Result<bool, BackendError> {
     switch_setting("FLASHPLAN_FUSE_SMALL", "fewer launches for small ops", true)
 }

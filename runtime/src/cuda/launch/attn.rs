@@ -282,6 +282,9 @@ pub(super) fn fuse_preps(v: &Variant, out: &mut [Option<LaunchSpec>]) {
         else {
             continue;
         };
+        let (Some(ap), Some(ip)) = (&out[i], &out[i + 1]) else {
+            continue;
+        };
         let ov = |a: &[BufId], b: &[BufId]| {
             a.iter()
                 .any(|&x| b.iter().any(|&y| crate::cuda::fuse::overlap(v, x, y)))
@@ -295,9 +298,6 @@ pub(super) fn fuse_preps(v: &Variant, out: &mut [Option<LaunchSpec>]) {
                 && s.side.is_empty()
                 && s.prefetch.is_empty()
                 && s.join_before.is_none()
-        };
-        let (Some(ap), Some(ip)) = (&out[i], &out[i + 1]) else {
-            continue;
         };
         if !disjoint || !plain(ap) || !plain(ip) || ap.grid.0 != ip.grid.0 || ap.block != ip.block {
             continue;
