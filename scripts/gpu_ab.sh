@@ -5,7 +5,8 @@
 # and prints each run's replay times; the full outputs (per-node times in plan order) go to $OUT/NAME.PASS.txt.
 #
 #   1. Here, once per version of the kernels:   bash scripts/gpu_ab.sh pack NAME
-#      builds the release example gpu_bench and compiles the kernels into their own cubin cache, both into
+#      runs the launch specs' unit tests, builds the release example gpu_bench and compiles the kernels into their
+#      own cubin cache, both into
 #      gpu-ab/NAME.tar.xz (gpu-ab/ is ignored by git through info/exclude; about 1.6 MB per build). In a worktree of
 #      another commit (git worktree add), copy its gpu-ab/NAME.tar.xz into this tree's gpu-ab/ to run both.
 #   2. On the H200, through the device `run` tool, with carry ["gpu-ab"]:
@@ -18,7 +19,8 @@
 #      build (read it with std::env::var("FLASHPLAN_AB") and remove it before the commit); its outputs go to
 #      $OUT/NAME-MODE.PASS.txt. GPU_AB_ARGS adds gpu_bench arguments to every run (e.g. "--streams" for the
 #      stream-count table, "--windows" for the 12-row window, "--in-context" for every node's cost in its own graph at
-#      1 and 16 rows, in the output files); the lines printed are every variant row of the tables.
+#      1 and 16 rows, in the output files); the lines printed are every variant row of the tables and lone-w1's
+#      kernel node count.
 #   3. On the H200, what one kernel does (Nsight Compute, which the H200 machine has at /usr/local/cuda/bin/ncu):
 #                                                bash scripts/gpu_ab.sh ncu NAME[:MODE] KERNEL_REGEX
 #      profiles one launch, the first of the entry points matching KERNEL_REGEX after NCU_SKIP of them (the variants
@@ -51,6 +53,9 @@ case "$mode" in
 pack)
     name="${1:?usage: $0 pack NAME}"
     eval "$(bash scripts/setup_nvrtc.sh)"
+    # The launch specs' unit tests first (a second or two once built): a launch limit that no longer matches its
+    # kernel's defines makes a change silently not apply, which the device time would only show as no difference.
+    cargo test --release -q -p flashplan-runtime --lib cuda::launch >/dev/null
     cargo build --release -q --example gpu_bench
     tmp=$(mktemp -d)
     mkdir -p "$tmp/$name/kernels"
@@ -90,6 +95,8 @@ run)
             fi
             echo "== $tag, pass $pass (variant | rows | time/replay us | sum of nodes us)"
             grep -E '^\| (lone-w|[0-9]+ \| (lone|verify)-)' "$out/$tag.$pass.txt" | cut -d'|' -f2-5
+            # The one-row graph's kernel nodes: a launch change that did not apply shows here as the same count.
+            grep -E '^graph lone-w1:' "$out/$tag.$pass.txt" || true
         done
     done
     ;;
