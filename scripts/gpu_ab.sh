@@ -5,8 +5,8 @@
 # and prints each run's replay times; the full outputs (per-node times in plan order) go to $OUT/NAME.PASS.txt.
 #
 #   1. Here, once per version of the kernels:   bash scripts/gpu_ab.sh pack NAME
-#      runs the launch specs' unit tests, builds the release example gpu_bench and compiles the kernels into their
-#      own cubin cache, both into
+#      runs the launch specs' unit tests, then builds the release example gpu_bench and compiles the kernels into
+#      their own cubin cache, the binary and the cubins into
 #      gpu-ab/NAME.tar.xz (gpu-ab/ is ignored by git through info/exclude; about 1.6 MB per build). In a worktree of
 #      another commit (git worktree add), copy its gpu-ab/NAME.tar.xz into this tree's gpu-ab/ to run both.
 #   2. On the H200, through the device `run` tool, with carry ["gpu-ab"]:
@@ -55,7 +55,7 @@ pack)
     eval "$(bash scripts/setup_nvrtc.sh)"
     # The launch specs' unit tests first (a second or two once built): a launch limit that no longer matches its
     # kernel's defines makes a change silently not apply, which the device time would only show as no difference.
-    cargo test --release -q -p flashplan-runtime --lib cuda::launch >/dev/null
+    cargo test --release -q -p flashplan-runtime --lib cuda::launch
     cargo build --release -q --example gpu_bench
     tmp=$(mktemp -d)
     mkdir -p "$tmp/$name/kernels"
