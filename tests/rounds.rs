@@ -50,12 +50,40 @@ fn collect(events: Vec<Event>, id: u64) -> (Vec<u32>, FinishReason, ReplyStats) 
                 stream,
                 reason,
                 stats,
-            } if stream == id => return (toks, reason, stats),
+            } if stream == id => {
+                check_accounting(&stats, toks.len());
+                return (toks, reason, stats);
+            }
             Event::Failed { stream, error } if stream == id => panic!("stream failed: {error}"),
             _ => {}
         }
     }
     panic!("stream {id} did not finish");
+}
+
+/// A reply's statistics count only what is in the reply: the prefill gives the first token and each round the
+/// tokens it kept up to the reply's end, so the drafted rounds' tokens and their accepted drafts never exceed the
+/// reply, and accepted drafts plus rounds are the tokens after the first, plus one where the last round's bonus
+/// token fell after the end.
+fn check_accounting(s: &ReplyStats, tokens: usize) {
+    let tokens = tokens as u32;
+    assert_eq!(s.tokens, tokens, "{s:?}");
+    let after_first = tokens.saturating_sub(1);
+    assert!(
+        s.copy_round_tokens + s.mtp_round_tokens <= after_first,
+        "{s:?}"
+    );
+    assert!(s.accepted_copy <= s.copy_round_tokens, "{s:?}");
+    assert!(s.accepted_mtp <= s.mtp_round_tokens, "{s:?}");
+    assert!(
+        s.accepted_copy <= s.drafted_copy && s.accepted_mtp <= s.drafted_mtp,
+        "{s:?}"
+    );
+    let counted = s.accepted_copy + s.accepted_mtp + s.rounds;
+    assert!(
+        counted == after_first || counted == tokens,
+        "accepted drafts + rounds = {counted} for {tokens} tokens: {s:?}"
+    );
 }
 
 const SNIPPETS: &[&str] = &[
@@ -316,6 +344,30 @@ fn committed_state_equals_plain_decoding() {
 }
 
 #[test]
+fn a_request_for_no_tokens_or_past_the_context_is_refused_with_the_room_left() {
+    use flashplan_runtime::engine::EngineError;
+    // Context 1024, max depth 15: a prompt of p tokens leaves 1024 - p - 16 reply tokens.
+    let p = copy_prompt();
+    let mut e = tiny_engine(&[1], 15);
+    assert!(matches!(
+        e.submit(req(&p, 0, true, SamplingParams::greedy())),
+        Err(EngineError::NoReplyTokens)
+    ));
+    let room = 1024 - p.len() as u32 - 16;
+    let err = e
+        .submit(req(&p, room + 1, true, SamplingParams::greedy()))
+        .expect_err("one token past the room");
+    assert!(
+        err.to_string()
+            .contains(&format!("at most {room} reply tokens fit")),
+        "{err}"
+    );
+    assert!(e
+        .submit(req(&p, room, true, SamplingParams::greedy()))
+        .is_ok());
+}
+
+#[test]
 fn stop_inside_a_long_accepted_run_cuts_there() {
     // A stop string completed by an early token of a round that accepts many copied drafts: the reply, its token
     // list and its token count end at that token (the service turns stop strings into this callback).
@@ -339,10 +391,12 @@ fn stop_inside_a_long_accepted_run_cuts_there() {
         assert_eq!(stats.tokens as usize, cut);
         assert_eq!(reason, FinishReason::Stop);
         if cut >= 2 {
-            assert!(
-                stats.copy_round_tokens as usize >= cut || stats.rounds <= 1,
-                "the cut fell inside a drafted round"
+            // One copy round kept past the cut; only the tokens up to it count.
+            assert_eq!(
+                stats.rounds, 1,
+                "the cut fell inside a drafted round: {stats:?}"
             );
+            assert_eq!(stats.copy_round_tokens as usize, cut - 1, "{stats:?}");
         }
     }
 }

@@ -117,6 +117,16 @@ pub enum FinishReason {
     Length,
 }
 
+impl FinishReason {
+    /// OpenAI's name for it: `stop` or `length`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
 /// Statistics of one reply (issue 5, item 8).
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct ReplyStats {
@@ -124,21 +134,23 @@ pub struct ReplyStats {
     pub rounds: u32,
     /// Drafts proposed by the copy index.
     pub drafted_copy: u32,
-    /// Copy drafts accepted.
+    /// Copy drafts accepted and in the reply: a draft the verify forward kept after the reply's end (a stop string
+    /// or token, or `max_tokens`, inside the round's kept tokens) is not counted, so `accepted_copy +
+    /// accepted_mtp + rounds` is at most `tokens - 1 + 1` (the last round's bonus token may be cut).
     pub accepted_copy: u32,
     /// Drafts proposed by the MTP head.
     pub drafted_mtp: u32,
-    /// MTP drafts accepted.
+    /// MTP drafts accepted and in the reply (as `accepted_copy`).
     pub accepted_mtp: u32,
     /// Rounds whose drafts came from the copy index.
     pub copy_rounds: u32,
-    /// Tokens kept by copy rounds.
+    /// Reply tokens given by copy rounds (kept tokens past the reply's end not counted).
     pub copy_round_tokens: u32,
     /// Rounds whose drafts came from the MTP head.
     pub mtp_rounds: u32,
-    /// Tokens kept by MTP rounds.
+    /// Reply tokens given by MTP rounds (as `copy_round_tokens`).
     pub mtp_round_tokens: u32,
-    /// MTP rounds whose first draft was kept.
+    /// MTP rounds whose first draft was kept (by the verify forward; the first kept token is always in the reply).
     pub mtp_first_kept: u32,
     /// Seconds spent prefilling the prompt.
     pub prefill_s: f64,
@@ -149,6 +161,20 @@ pub struct ReplyStats {
 }
 
 impl ReplyStats {
+    /// Takes out of a round's counts what fell after the reply's end: the round kept `keep` tokens (`keep - 1`
+    /// accepted drafts, then the bonus token) and the reply ended at its `used`-th (`1..=keep`).
+    fn trim_round(&mut self, drafter: Drafter, keep: u32, used: u32) {
+        let unused_tokens = keep - used;
+        let unused_drafts = (keep - 1) - (keep - 1).min(used);
+        let (accepted, tokens) = match drafter {
+            Drafter::Copy => (&mut self.accepted_copy, &mut self.copy_round_tokens),
+            Drafter::Mtp => (&mut self.accepted_mtp, &mut self.mtp_round_tokens),
+            Drafter::None => return,
+        };
+        *accepted -= unused_drafts;
+        *tokens -= unused_tokens;
+    }
+
     /// Tokens per round (reply tokens after the first, per verify round).
     pub fn tokens_per_round(&self) -> f64 {
         if self.rounds == 0 {
@@ -202,8 +228,11 @@ pub enum Event {
 /// Errors of the engine.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
-    /// The prompt does not fit the context.
-    #[error("prompt of {prompt} tokens plus max_tokens {max_tokens} exceeds the context of {context} tokens")]
+    /// The prompt and the reply do not fit the context, which also holds one verify window past the reply.
+    #[error(
+        "prompt of {prompt} tokens plus max_tokens {max_tokens} does not fit the context of {context} tokens, \
+         which keeps {window} for one verify window (max depth + 1): at most {room} reply tokens fit after this prompt"
+    )]
     TooLong {
         /// Prompt tokens.
         prompt: usize,
@@ -211,10 +240,17 @@ pub enum EngineError {
         max_tokens: u32,
         /// Context per slot.
         context: u64,
+        /// Positions kept for one verify window past the reply (the engine's max depth + 1).
+        window: u64,
+        /// The most reply tokens that fit after this prompt (0 when the prompt alone does not fit).
+        room: u64,
     },
     /// The prompt is empty.
     #[error("the prompt is empty")]
     EmptyPrompt,
+    /// `max_tokens` is 0: a reply has at least one token.
+    #[error("max_tokens is 0: expected at least 1 (a reply has at least one token)")]
+    NoReplyTokens,
     /// The queue is full.
     #[error("the server is busy: {0} requests are already waiting")]
     QueueFull(usize),
@@ -331,15 +367,20 @@ impl<B: Backend> Engine<B> {
         if let Some(&t) = req.prompt.iter().find(|&&t| t >= vocab) {
             return Err(EngineError::BadToken(t, vocab));
         }
+        if req.max_tokens == 0 {
+            return Err(EngineError::NoReplyTokens);
+        }
         let context = body.state.context;
         // Room for the prompt, the reply and one verify window past it.
-        if req.prompt.len() as u64 + req.max_tokens as u64 + self.opts.max_depth as u64 + 1
-            > context
-        {
+        let window = self.opts.max_depth as u64 + 1;
+        let room = context.saturating_sub(req.prompt.len() as u64 + window);
+        if req.max_tokens as u64 > room {
             return Err(EngineError::TooLong {
                 prompt: req.prompt.len(),
                 max_tokens: req.max_tokens,
                 context,
+                window,
+                room,
             });
         }
         if self.waiting.len() >= self.opts.queue {
@@ -528,7 +569,7 @@ impl<B: Backend> Engine<B> {
             s.index.extend(&s.req.prompt);
             s.decode_started = Some(Instant::now());
             let first_draft = self.backend.io(IoBuf::Sampled)[0].to_bits();
-            if self.emit(i, &[first], events) {
+            if self.emit(i, &[first], None, events) {
                 return Ok(());
             }
             let s = &mut self.live[i];
@@ -557,8 +598,14 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Emits kept tokens of stream `i` in order, applying the stop conditions; returns true when it finished.
-    fn emit(&mut self, i: usize, tokens: &[u32], events: &mut Vec<Event>) -> bool {
-        for &t in tokens {
+    fn emit(
+        &mut self,
+        i: usize,
+        tokens: &[u32],
+        round: Option<Drafter>,
+        events: &mut Vec<Event>,
+    ) -> bool {
+        for (n, &t) in tokens.iter().enumerate() {
             let s = &mut self.live[i];
             s.emitted += 1;
             s.stats.tokens += 1;
@@ -578,6 +625,9 @@ impl<B: Backend> Engine<B> {
             };
             if let Some(reason) = reason {
                 s.done = true;
+                if let Some(d) = round {
+                    s.stats.trim_round(d, tokens.len() as u32, n as u32 + 1);
+                }
                 if let Some(d) = s.decode_started {
                     s.stats.decode_s = d.elapsed().as_secs_f64();
                 }
@@ -664,7 +714,8 @@ impl<B: Backend> Engine<B> {
                 }
                 s.drafts.clear();
             }
-            if self.emit(i, &kept, events) {
+            let drafter = self.live[i].drafter;
+            if self.emit(i, &kept, Some(drafter), events) {
                 continue;
             }
             let s = &mut self.live[i];

@@ -77,6 +77,9 @@ impl From<SubmitError> for ApiError {
             SubmitError::Engine(EngineError::TooLong { .. }) => {
                 ApiError::invalid(Some("prompt"), e.to_string()).code("context_length_exceeded")
             }
+            SubmitError::Engine(EngineError::NoReplyTokens) => {
+                ApiError::invalid(Some("max_tokens"), e.to_string())
+            }
             SubmitError::Engine(EngineError::EmptyPrompt) => {
                 ApiError::invalid(Some("prompt"), e.to_string()).code("empty_prompt")
             }
