@@ -30,9 +30,10 @@ pub struct BenchArgs {
     /// Most drafts per window for --model.
     #[arg(long, default_value_t = 15)]
     pub max_depth: u32,
-    /// Context per stream when compiling plans for --model.
-    #[arg(long, default_value_t = 4096)]
-    pub context: u64,
+    /// Context per stream (tokens) when compiling plans for --model [default: 4096]; with --plans theirs holds,
+    /// and a --context other than it is refused.
+    #[arg(long)]
+    pub context: Option<u64>,
     /// Concurrency levels (comma-separated).
     #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
     pub concurrency: Vec<usize>,
@@ -150,7 +151,8 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
                 plans: a.plans.clone(),
                 parallel: a.parallel,
                 max_depth: a.max_depth,
-                context: a.context,
+                // The bench's own default (a short context compiles and loads fast); given plans keep theirs.
+                context: a.context.or(a.plans.is_none().then_some(4096)),
                 confidence: 0.3,
             };
             let state = crate::serve::start(&margs, None)?;

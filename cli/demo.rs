@@ -96,7 +96,7 @@ pub fn demo(a: DemoArgs) -> anyhow::Result<()> {
     let tok = flashplan_runtime::tokenizer::Tokenizer::from_dir(&dir)
         .with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
     let eopts = engine_options(1, copts.max_depth)?;
-    let (backend, has_mtp, label) = load_backend(&dir, None, &copts, eopts.drafter_form)?;
+    let (backend, has_mtp, label) = load_backend(&dir, None, None, &copts, eopts.drafter_form)?;
     let mut engine = Engine::new(backend, eopts, has_mtp);
     println!(
         "flashplan demo: {} on {label} (plans and weights ready in {:.1}s), greedy, {} tokens per reply",

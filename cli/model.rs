@@ -31,9 +31,10 @@ pub struct ModelArgs {
     /// Most drafts per verify window (at most the plans' max depth).
     #[arg(long, default_value_t = 15)]
     pub max_depth: u32,
-    /// Context per stream when compiling plans into the cache.
-    #[arg(long, default_value_t = 32768)]
-    pub context: u64,
+    /// Context per stream (tokens) when compiling plans into the cache [default: 32768]. With --plans the plans'
+    /// context holds, and a --context other than it is refused.
+    #[arg(long)]
+    pub context: Option<u64>,
     /// MTP confidence threshold: a chained draft whose probability (temperature 1) is below it ends the chain;
     /// the first draft is always kept.
     #[arg(long, default_value_t = 0.3)]
@@ -116,11 +117,16 @@ pub fn gpu_arch() -> Result<(String, String), String> {
     }
 }
 
-/// Plans for `model`: `plans` when given, else the cache entry keyed by config, arch, options and compiler
-/// version, compiled (with a progress bar) when missing.
+/// The context per stream compiled into the cache when `--context` is not given (`run`, `serve`).
+pub const DEFAULT_CONTEXT: u64 = 32768;
+
+/// Plans for `model`: `plans` when given (refused when `context`, the context the user asked for, differs from
+/// theirs), else the cache entry keyed by config, arch, options and compiler version, compiled (with a progress
+/// bar) when missing.
 pub fn plans_for(
     model: &Path,
     plans: Option<&Path>,
+    context: Option<u64>,
     opts: &CompileOptions,
 ) -> anyhow::Result<PlanSet> {
     let cfg_path = model.join("config.json");
@@ -133,6 +139,15 @@ pub fn plans_for(
         let set = PlanSet::read(&file).with_context(|| format!("reading {}", file.display()))?;
         set.check_matches(&cfg, &opts.arch, None)
             .with_context(|| format!("{} does not fit {}", file.display(), model.display()))?;
+        if let Some(c) = context {
+            anyhow::ensure!(
+                c == set.body.options.context,
+                "--context {c}: the plans {} were compiled for a context of {} tokens (compile plans for {c} with \
+                 `flashplan compile --context {c}`, or leave --plans out to compile them into the cache)",
+                file.display(),
+                set.body.options.context
+            );
+        }
         return Ok(set);
     }
     let forms = flashplan_compiler::checkpoint::forms_from_model_dir(model)
@@ -227,10 +242,12 @@ pub fn make_backend(
 /// Plans and backend together: with `FLASHPLAN_BACKEND` unset or `auto`, the CUDA backend when a Hopper GPU is
 /// present and the plans can be built for it (NVRTC, or the kernel cache `$FLASHPLAN_KERNEL_CACHE`, by default
 /// `<cache>/../kernels`, filled on a machine with NVRTC), else the CPU backend; the choice and any reason for
-/// falling back are printed on stderr. `copts.arch` is ignored (the backend decides it).
+/// falling back are printed on stderr. `copts.arch` is ignored (the backend decides it); `context` is the
+/// `--context` asked for, checked against given plans ([`plans_for`]).
 pub fn load_backend(
     model: &Path,
     plans: Option<&Path>,
+    context: Option<u64>,
     copts: &CompileOptions,
     form: flashplan_plan::DrafterForm,
 ) -> anyhow::Result<(Box<dyn Backend>, bool, String)> {
@@ -249,8 +266,8 @@ pub fn load_backend(
                 }
                 let mut o = copts.clone();
                 o.arch = arch;
-                let got =
-                    plans_for(model, plans, &o).and_then(|set| make_backend(model, set.body, form));
+                let got = plans_for(model, plans, context, &o)
+                    .and_then(|set| make_backend(model, set.body, form));
                 match got {
                     Ok(b) => {
                         eprintln!("backend: {}", b.2);
@@ -267,7 +284,7 @@ pub fn load_backend(
     eprintln!("backend: running on the CPU backend ({why_cpu})");
     let mut o = copts.clone();
     o.arch = flashplan_compiler::default_arch().to_string();
-    let set = plans_for(model, plans, &o)?;
+    let set = plans_for(model, plans, context, &o)?;
     make_backend(model, set.body, form)
 }
 
@@ -282,10 +299,13 @@ pub fn engine_options(parallel: u32, max_depth: u32) -> anyhow::Result<EngineOpt
     .from_env()?)
 }
 
-/// Checks the environment of the commands that load a model, before anything slow happens (the folder variables
-/// are checked for every command: [`check_folders`]).
+/// Checks every product variable's value (README.md, "Configuration"), for every command, before anything slow
+/// happens, so that a wrong value is refused whichever command meets it first (the folder variables:
+/// [`check_folders`]).
 pub fn check_env() -> anyhow::Result<()> {
     backend_choice()?;
+    // Read by the GPU checks alone, but a wrong value is refused here too, as for every product variable.
+    flashplan_plan::env::switch("FLASHPLAN_GPU")?;
     flashplan_runtime::cuda::check_env()?;
     engine_options(1, 1).map(|_| ())
 }
@@ -357,12 +377,17 @@ pub fn load(a: &ModelArgs) -> anyhow::Result<Loaded> {
         a.model.display()
     );
     let mut copts = flashplan_compiler::default_options(flashplan_compiler::default_arch());
-    copts.context = a.context;
+    copts.context = a.context.unwrap_or(DEFAULT_CONTEXT);
     copts.max_depth = a.max_depth.max(1);
     let tokenizer = Tokenizer::from_dir(&a.model)
         .with_context(|| format!("loading the tokenizer of {}", a.model.display()))?;
-    let (backend, has_mtp, _) =
-        load_backend(&a.model, a.plans.as_deref(), &copts, eopts.drafter_form)?;
+    let (backend, has_mtp, _) = load_backend(
+        &a.model,
+        a.plans.as_deref(),
+        a.context,
+        &copts,
+        eopts.drafter_form,
+    )?;
     let name = a
         .model
         .canonicalize()

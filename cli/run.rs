@@ -30,21 +30,35 @@ pub struct RunArgs {
     /// Wrap the prompt as one user message in the model's chat template.
     #[arg(long)]
     pub chat: bool,
-    /// Most reply tokens.
-    #[arg(long, default_value_t = 128)]
+    /// Most reply tokens (at least 1).
+    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_tokens: u32,
-    /// Sampling temperature (0: greedy).
-    #[arg(long, default_value_t = 0.0)]
+    /// Sampling temperature, 0 to 2 (0: greedy).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub temperature: f32,
-    /// Sampling seed (default: derived from the prompt).
-    #[arg(long)]
+    /// Sampling seed: any 64-bit integer, a negative one taken as its two's complement, as the API takes `seed`
+    /// (default: derived from the prompt).
+    #[arg(long, allow_negative_numbers = true, value_parser = seed_arg)]
     pub seed: Option<u64>,
     /// Decode plainly, one token per round (no copy or MTP drafts).
     #[arg(long)]
     pub no_draft: bool,
-    /// Stop strings (repeatable).
-    #[arg(long)]
+    /// Stop strings (repeatable; each non-empty).
+    #[arg(long, value_parser = clap::builder::NonEmptyStringValueParser::new())]
     pub stop: Vec<String>,
+}
+
+/// Parses `--seed`: an integer from -2^63 to 2^64 - 1, negative ones as their 64-bit two's complement (the API's
+/// `seed` rule, so a seed gives the same reply from the command line and from the server).
+fn seed_arg(s: &str) -> Result<u64, String> {
+    match s.trim().parse::<i128>() {
+        Ok(v) if (i64::MIN as i128..=u64::MAX as i128).contains(&v) => Ok(v as u64),
+        _ => Err(format!(
+            "expected an integer from {} to {}",
+            i64::MIN,
+            u64::MAX
+        )),
+    }
 }
 
 /// A reply generated directly on an engine.
@@ -134,12 +148,13 @@ pub fn stats_line(g: &Generated) -> String {
     } else {
         0.0
     };
+    let plural = |n: u32, one: &str, many: &str| format!("{n} {}", if n == 1 { one } else { many });
     format!(
-        "{} tokens ({:?}), {} rounds, {:.2} tokens/round, copy drafted {} accepted {}, MTP drafted {} accepted {}, \
+        "{} (finish: {}), {}, {:.2} tokens/round, copy drafted {} accepted {}, MTP drafted {} accepted {}, \
          prefill {:.2}s, decode {:.1} tokens/s",
-        s.tokens,
-        g.reason,
-        s.rounds,
+        plural(s.tokens, "token", "tokens"),
+        g.reason.as_str(),
+        plural(s.rounds, "round", "rounds"),
         s.tokens_per_round(),
         s.drafted_copy,
         s.accepted_copy,
@@ -180,6 +195,12 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         ..Default::default()
     };
     sampling.validate().context("--temperature")?;
+    let max_t = flashplan_runtime::server::api::MAX_TEMPERATURE;
+    anyhow::ensure!(
+        a.temperature as f64 <= max_t,
+        "--temperature {}: expected 0 to {max_t}, as the API takes",
+        a.temperature
+    );
     let mut m = load(&a.model)?;
     let prompt = prompt_ids(&m.tokenizer, &text, a.chat)?;
     let mut stop_token_ids = Vec::new();

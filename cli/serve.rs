@@ -1,10 +1,10 @@
 //! `flashplan serve`: the OpenAI-compatible server.
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::TcpListener;
 
 use anyhow::Context;
 use flashplan_runtime::server::{
-    serve_addr, AppState, DEFAULT_BODY_DEADLINE, DEFAULT_HEAD_DEADLINE,
+    serve_bound, AppState, DEFAULT_BODY_DEADLINE, DEFAULT_HEAD_DEADLINE,
 };
 use flashplan_runtime::service::Service;
 
@@ -15,14 +15,15 @@ use crate::model::{load, ModelArgs};
 pub struct ServeArgs {
     #[command(flatten)]
     pub model: ModelArgs,
-    /// Address to bind (127.0.0.1: this machine only; 0.0.0.0: every interface).
+    /// Address or host name to bind (127.0.0.1: this machine only; 0.0.0.0: every interface; a name such as
+    /// localhost binds the first of its addresses that can be bound).
     #[arg(long, default_value = "127.0.0.1")]
-    pub host: IpAddr,
-    /// Port.
+    pub host: String,
+    /// Port (0: one the system picks, printed on start).
     #[arg(long, default_value_t = 8000)]
     pub port: u16,
-    /// Model name answered by /v1/models (default: the model directory's name).
-    #[arg(long)]
+    /// Model name answered by /v1/models (non-empty; default: the model directory's name).
+    #[arg(long, value_parser = clap::builder::NonEmptyStringValueParser::new())]
     pub served_model_name: Option<String>,
 }
 
@@ -38,10 +39,13 @@ pub fn start(a: &ModelArgs, name: Option<String>) -> anyhow::Result<AppState> {
     })
 }
 
-/// `flashplan serve`.
+/// `flashplan serve`: binds first (a port in use fails before the model loads), then loads and announces the
+/// address it is bound to.
 pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
+    let listener = TcpListener::bind((a.host.as_str(), a.port))
+        .with_context(|| format!("binding --host {} --port {}", a.host, a.port))?;
+    let addr = listener.local_addr().context("reading the bound address")?;
     let state = start(&a.model, a.served_model_name.clone())?;
-    let addr = SocketAddr::new(a.host, a.port);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -57,7 +61,7 @@ pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
             "Ctrl-C"
         }
     );
-    rt.block_on(serve_addr(addr, state.clone()))
+    rt.block_on(serve_bound(listener, state.clone()))
         .with_context(|| format!("serving on {addr}"))?;
     state.service.shutdown();
     eprintln!("stopped");

@@ -91,6 +91,143 @@ fn an_empty_folder_or_backend_variable_refuses_to_start() {
 }
 
 #[test]
+fn every_command_refuses_a_wrong_value_of_any_product_variable() {
+    // The commands that load no model check the same variables as those that do: a wrong value is refused by
+    // name whichever command meets it first, with the one wording of every variable.
+    for (var, value) in [
+        ("FLASHPLAN_COPY_DRAFTS", "7"),
+        ("FLASHPLAN_GPU", "2"),
+        ("FLASHPLAN_PDL", "yes"),
+        ("FLASHPLAN_MTP_WEIGHTS", "fp4"),
+    ] {
+        for args in [
+            &["plans", "inspect", "plans/flashnext-tiny"][..],
+            &[
+                "compile",
+                "--config",
+                "configs/flashnext-tiny.json",
+                "--out",
+                "/nonexistent/plans",
+            ][..],
+        ] {
+            let out = Command::new(env!("CARGO_BIN_EXE_flashplan"))
+                .args(args)
+                .current_dir(env!("CARGO_MANIFEST_DIR"))
+                .env(var, value)
+                .output()
+                .expect("runs flashplan");
+            assert!(
+                !out.status.success(),
+                "{var}={value} was accepted by {args:?}"
+            );
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert!(
+                stderr.contains(&format!(
+                    "environment variable {var}=\"{value}\" is not accepted: expected"
+                )),
+                "{args:?}: {stderr}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_context_other_than_the_given_plans_is_refused() {
+    // --context compiles plans into the cache; with --plans, whose context is fixed, another value would be
+    // silently ignored, so it is refused, naming both.
+    let out = Command::new(env!("CARGO_BIN_EXE_flashplan"))
+        .args(["run", "--model", "models/flashnext-tiny", "--plans"])
+        .args(["plans/flashnext-tiny", "--prompt", "x", "--context", "8192"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("FLASHPLAN_BACKEND", "cpu")
+        .output()
+        .expect("runs flashplan run");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("--context 8192") && stderr.contains("a context of 4096 tokens"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn run_refuses_a_reply_of_no_tokens_and_takes_negative_numbers_as_values() {
+    for (args, says) in [
+        (&["--max-tokens", "0"][..], "'0' for '--max-tokens"),
+        (&["--max-depth", "-1"][..], "'-1' for '--max-depth"),
+        (
+            &["--temperature", "-1"][..],
+            "temperature must be finite and >= 0",
+        ),
+        (
+            &["--temperature", "3"][..],
+            "--temperature 3: expected 0 to 2",
+        ),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_flashplan"))
+            .args(["run", "--model", "models/flashnext-tiny", "--plans"])
+            .args(["plans/flashnext-tiny", "--prompt", "x"])
+            .args(args)
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .env("FLASHPLAN_BACKEND", "cpu")
+            .output()
+            .expect("runs flashplan run");
+        assert!(!out.status.success(), "{args:?} was accepted");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+    }
+}
+
+#[test]
+fn compile_names_its_two_sources_and_its_archs() {
+    let compile = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_flashplan"))
+            .arg("compile")
+            .args(args)
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .output()
+            .expect("runs flashplan compile");
+        assert!(!out.status.success(), "{args:?} was accepted");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let e = compile(&["--out", "/nonexistent/plans"]);
+    assert!(e.contains("--model <MODEL>|--config <CONFIG>"), "{e}");
+    let e = compile(&[
+        "--config",
+        "configs/flashnext-tiny.json",
+        "--out",
+        "/nonexistent/plans",
+        "--arch",
+        "sm_80",
+    ]);
+    assert!(e.contains("--arch = sm_80: expected cpu or sm_90a"), "{e}");
+}
+
+#[test]
+fn a_port_in_use_fails_before_the_model_loads() {
+    let held = std::net::TcpListener::bind("127.0.0.1:0").expect("a port");
+    let port = held.local_addr().expect("its address").port().to_string();
+    let out = Command::new(env!("CARGO_BIN_EXE_flashplan"))
+        .args(["serve", "--model", "models/flashnext-tiny", "--plans"])
+        .args(["plans/flashnext-tiny", "--port", &port])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("FLASHPLAN_BACKEND", "cpu")
+        .output()
+        .expect("runs flashplan serve");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(&format!("binding --host 127.0.0.1 --port {port}")),
+        "{stderr}"
+    );
+    // Nothing loaded, nothing announced.
+    assert!(
+        !stderr.contains("backend:") && !stderr.contains("serving"),
+        "{stderr}"
+    );
+}
+
+#[test]
 fn a_misspelt_variable_is_named_in_a_warning() {
     let out = Command::new(env!("CARGO_BIN_EXE_flashplan"))
         .args(["plans", "inspect", "plans/flashnext-tiny"])

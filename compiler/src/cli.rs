@@ -7,19 +7,21 @@ use anyhow::Context;
 
 use crate::inspect::{human_bytes, PLAN_FILE};
 
-/// Options of `flashplan-compile` / `flashplan compile`.
+/// Options of `flashplan-compile` / `flashplan compile`: one of `--model` and `--config` (clap's group `source`
+/// names both when neither or both is given).
 #[derive(Debug, clap::Args)]
+#[command(group(clap::ArgGroup::new("source").required(true).multiple(false)))]
 pub struct CompileArgs {
     /// A model directory: its config.json, and the storage form of every tensor from the safetensors headers.
-    #[arg(long, conflicts_with = "config", required_unless_present = "config")]
+    #[arg(long, group = "source")]
     pub model: Option<PathBuf>,
     /// A bare config.json (storage forms as its quantization_config declares, BF16 if none).
-    #[arg(long)]
+    #[arg(long, group = "source")]
     pub config: Option<PathBuf>,
     /// Output directory (receives plans.fplan).
     #[arg(long)]
     pub out: PathBuf,
-    /// Target arch: cpu or an NVIDIA arch such as sm_90a (default: sm_90a when a Hopper GPU is present, else cpu).
+    /// Target arch: cpu or sm_90a (Hopper) [default: sm_90a when a Hopper GPU is present, else cpu].
     #[arg(long)]
     pub arch: Option<String>,
     /// Most drafts per window (verify windows have 1..=N+1 rows).

@@ -129,6 +129,10 @@ pub fn variant_kinds(cfg: &ModelConfig, o: &CompileOptions) -> Vec<VariantKind> 
     kinds
 }
 
+/// The archs plans are compiled for: the CPU reference backend and Hopper (`sm_90a`: the kernels use its
+/// programmatic dependent launch and are emitted as cubin for it).
+pub const SUPPORTED_ARCHS: &[&str] = &["cpu", "sm_90a"];
+
 fn check_options(o: &CompileOptions) -> Result<(), CompileError> {
     let bad = |name, value: String, expected| {
         Err(CompileError::Option {
@@ -137,11 +141,11 @@ fn check_options(o: &CompileOptions) -> Result<(), CompileError> {
             expected,
         })
     };
-    if o.arch != "cpu" && !o.arch.starts_with("sm_") {
+    if !SUPPORTED_ARCHS.contains(&o.arch.as_str()) {
         return bad(
             "--arch",
             o.arch.clone(),
-            "cpu or an NVIDIA arch such as sm_90a",
+            "cpu or sm_90a (Hopper: H100, H200); the kernels are built for no other NVIDIA arch",
         );
     }
     if o.max_depth > 63 {

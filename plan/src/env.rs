@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 /// A switch's value that is neither `1` nor `0` (or not valid UTF-8).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{name}={value:?} is not understood: expected 1 or 0")]
+#[error("environment variable {name}={value:?} is not accepted: expected 1 or 0")]
 pub struct SwitchError {
     /// The variable's name.
     pub name: String,
@@ -95,7 +95,9 @@ mod tests {
             assert_eq!((e.name.as_str(), e.value.as_str()), ("FLASHPLAN_PDL", v));
             assert_eq!(
                 e.to_string(),
-                format!("FLASHPLAN_PDL={v:?} is not understood: expected 1 or 0")
+                format!(
+                    "environment variable FLASHPLAN_PDL={v:?} is not accepted: expected 1 or 0"
+                )
             );
         }
     }

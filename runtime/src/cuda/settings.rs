@@ -16,7 +16,7 @@ fn switch_setting(name: &str, what: &str, default: bool) -> Result<bool, Backend
             ("", ", the default")
         };
         BackendError::Setting(format!(
-            "{name}={:?} is not understood: expected 1 ({what}{on}) or 0 (off{off})",
+            "environment variable {name}={:?} is not accepted: expected 1 ({what}{on}) or 0 (off{off})",
             e.value
         ))
     })?;

@@ -263,8 +263,8 @@ pub const MAX_STOPS: usize = 16;
 /// The longest stop string a request may carry, bytes.
 pub const MAX_STOP_BYTES: usize = 1024;
 
-/// The highest `temperature` accepted (OpenAI's range is [0, 2]).
-const MAX_TEMPERATURE: f64 = 2.0;
+/// The highest `temperature` accepted (OpenAI's range is [0, 2]; `flashplan run` takes the same).
+pub const MAX_TEMPERATURE: f64 = 2.0;
 
 /// Roles a chat message may have: those the chat templates know, and OpenAI's `developer`, which they take as
 /// `system`.
@@ -361,7 +361,17 @@ pub fn parse_messages(m: &Map<String, Value>) -> Result<Prompt, ApiError> {
                 ),
             ));
         }
+        check_message_fields(&p, role, o)?;
         let content = match o.get("content") {
+            // OpenAI lets an assistant message (one that called tools) go without content; the others need it.
+            None | Some(Value::Null) if role != "assistant" => {
+                return Err(ApiError::invalid(
+                    Some(&format!("{p}.content")),
+                    format!(
+                        "`{p}.content` is missing (a {role} message needs a string or text parts)"
+                    ),
+                ))
+            }
             None | Some(Value::Null) => String::new(),
             Some(Value::String(s)) => s.clone(),
             Some(Value::Array(parts)) => {
@@ -390,6 +400,42 @@ pub fn parse_messages(m: &Map<String, Value>) -> Result<Prompt, ApiError> {
         });
     }
     Ok(Prompt::Chat(out))
+}
+
+/// Refuses a message field other than `role` and `content` unless it changes nothing here: `tool_call_id` on a
+/// `tool` message (the chat template does not read it), and `name`, `tool_calls`, `function_call`, `refusal` and
+/// `audio` when null or empty (this server neither passes names to the template nor calls tools).
+///
+/// # Errors
+/// 400 naming `messages[i].field`.
+fn check_message_fields(p: &str, role: &str, o: &Map<String, Value>) -> Result<(), ApiError> {
+    for (k, v) in o {
+        let empty = match v {
+            Value::Null => true,
+            Value::String(s) => s.is_empty(),
+            Value::Array(a) => a.is_empty(),
+            Value::Object(m) => m.is_empty(),
+            _ => false,
+        };
+        let ok = match k.as_str() {
+            "role" | "content" => true,
+            "tool_call_id" => role == "tool" && (v.is_string() || v.is_null()),
+            "name" | "tool_calls" | "function_call" | "refusal" | "audio" => empty,
+            _ => false,
+        };
+        if !ok {
+            return Err(ApiError::invalid(
+                Some(&format!("{p}.{k}")),
+                format!(
+                    "`{p}.{k}` is not supported by this server (got {v}): a message has `role` and `content`, \
+                     plus `tool_call_id` on a tool message; `name`, `tool_calls`, `function_call`, `refusal` and \
+                     `audio` only when empty"
+                ),
+            )
+            .code("unsupported_parameter"));
+        }
+    }
+    Ok(())
 }
 
 /// The request's `model` field: `None` when absent or null.
@@ -523,12 +569,32 @@ pub fn parse_gen(m: &Map<String, Value>, chat: bool) -> Result<GenParams, ApiErr
     };
     let include_usage = match present(m, "stream_options") {
         None => false,
-        Some(Value::Object(o)) => boolean(o, "include_usage")
-            .map_err(|mut e| {
-                e.param = Some("stream_options.include_usage".into());
-                e
-            })?
-            .unwrap_or(false),
+        Some(Value::Object(o)) => {
+            // `include_obfuscation` only pads OpenAI's chunks (this server sends no padding): any boolean.
+            for (k, v) in o {
+                let ok = match k.as_str() {
+                    "include_usage" => true,
+                    "include_obfuscation" => v.is_boolean() || v.is_null(),
+                    _ => false,
+                };
+                if !ok {
+                    return Err(ApiError::invalid(
+                        Some(&format!("stream_options.{k}")),
+                        format!(
+                            "`stream_options.{k}` is not supported by this server (got {v}): expected \
+                             `include_usage` (a boolean) or `include_obfuscation` (a boolean, not used)"
+                        ),
+                    )
+                    .code("unsupported_parameter"));
+                }
+            }
+            boolean(o, "include_usage")
+                .map_err(|mut e| {
+                    e.param = Some("stream_options.include_usage".into());
+                    e
+                })?
+                .unwrap_or(false)
+        }
         Some(v) => return Err(wrong("stream_options", "an object", v)),
     };
     // `logprobs` (a boolean in chat, a count in completions) and `echo` only when off.
@@ -667,11 +733,51 @@ mod tests {
                 "messages[0].content",
                 "must be a string",
             ),
+            (
+                r#"{"messages": [{"role": "user", "content": "hi", "foo": 1}]}"#,
+                "messages[0].foo",
+                "is not supported",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": "hi", "name": "ann"}]}"#,
+                "messages[0].name",
+                "only when empty",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": "hi", "tool_call_id": "c"}]}"#,
+                "messages[0].tool_call_id",
+                "on a tool message",
+            ),
+            (
+                r#"{"messages": [{"role": "user"}]}"#,
+                "messages[0].content",
+                "is missing",
+            ),
+            (
+                r#"{"messages": [{"role": "system", "content": null}]}"#,
+                "messages[0].content",
+                "is missing",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": "hi"}], "stream_options": {"foo": true}}"#,
+                "stream_options.foo",
+                "is not supported",
+            ),
         ] {
             let e = p(body, true).unwrap_err();
             assert_eq!(e.param.as_deref(), Some(param), "{body}: {}", e.message);
             assert!(e.message.contains(says), "{body}: {}", e.message);
         }
+        // What changes nothing is taken: an assistant turn without content, empty tool fields, a tool message's
+        // call id, OpenAI's obfuscation switch.
+        assert!(p(
+            r#"{"messages": [{"role": "user", "content": "hi", "name": ""},
+                {"role": "assistant", "content": null, "tool_calls": []},
+                {"role": "tool", "content": "4", "tool_call_id": "c1"}],
+                "stream_options": {"include_usage": true, "include_obfuscation": false}}"#,
+            true
+        )
+        .is_ok());
         // OpenAI's developer role is the templates' system role.
         let g = p(
             r#"{"messages": [{"role": "developer", "content": "be brief"}]}"#,

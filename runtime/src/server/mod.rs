@@ -215,7 +215,7 @@ async fn body_by_deadline(
 ///
 /// # Errors
 /// None at present: accept errors are retried as said above. The `io::Result` is kept for callers (and for
-/// [`serve_addr`], whose binding can fail).
+/// [`serve_bound`], whose signal handlers can fail).
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: AppState,
@@ -297,16 +297,18 @@ async fn accept(listener: &tokio::net::TcpListener) -> (tokio::net::TcpStream, S
     }
 }
 
-/// Binds `addr` (127.0.0.1 unless told otherwise) and serves until Ctrl-C or, on Unix, SIGTERM (what systemd and
-/// docker send): then no new connection is taken and it returns once the replies in flight are done. A second Ctrl-C
-/// or SIGTERM while they finish ends the process at once, with status 128 + the signal's number (130 for Ctrl-C, 143
-/// for SIGTERM), as shells report a process killed by it; the replies in flight are cut off.
+/// Serves on `listener`, bound by the caller (so that a port in use is an error before the model loads, and port 0
+/// can be told its port), until Ctrl-C or, on Unix, SIGTERM (what systemd and docker send): then no new connection
+/// is taken and it returns once the replies in flight are done. A second Ctrl-C or SIGTERM while they finish ends
+/// the process at once, with status 128 + the signal's number (130 for Ctrl-C, 143 for SIGTERM), as shells report a
+/// process killed by it; the replies in flight are cut off.
 ///
 /// # Errors
-/// Installing the signal handlers, binding or serving failed.
-pub async fn serve_addr(addr: SocketAddr, state: AppState) -> std::io::Result<()> {
+/// Installing the signal handlers, handing the listener to tokio or serving failed.
+pub async fn serve_bound(listener: std::net::TcpListener, state: AppState) -> std::io::Result<()> {
     let mut stops = StopSignals::new()?;
-    let listener = tokio::net::TcpListener::bind(addr).await?;
+    listener.set_nonblocking(true)?;
+    let listener = tokio::net::TcpListener::from_std(listener)?;
     serve(listener, state, async move {
         let (name, _) = stops.next().await;
         eprintln!(
