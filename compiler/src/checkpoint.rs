@@ -1,7 +1,7 @@
 //! Storage forms from a checkpoint directory: the JSON header of every `*.safetensors` file (8-byte little-endian
 //! length, then the JSON), never the weights. Tensor names are mapped to the manifest's canonical names
 //! ([`canonical_name`]) and each tensor's form decided from its dtype and the scale tensors beside it:
-//! `BF16` -> [`StorageForm::Bf16`], `F32` -> [`StorageForm::F32`], `F8_E4M3` with a `*_scale_inv` tensor ->
+//! `BF16` and `F16` -> [`StorageForm::Bf16`], `F32` -> [`StorageForm::F32`], `F8_E4M3` with a `*_scale_inv` tensor ->
 //! [`StorageForm::Fp8Block`], `F8_E4M3` with a `U8` `*_scale` tensor -> [`StorageForm::Mxfp8`].
 
 use std::collections::BTreeMap;
@@ -160,7 +160,9 @@ pub fn forms_from_model_dir(dir: &Path) -> anyhow::Result<FormSource> {
             continue;
         }
         let form = match info.dtype.as_str() {
-            "BF16" => StorageForm::Bf16,
+            // F16 loads as the runtime reads every 16-bit float: converted at load (runtime/src/checkpoint.rs),
+            // so its plan is a BF16 checkpoint's.
+            "BF16" | "F16" => StorageForm::Bf16,
             "F32" => StorageForm::F32,
             "F8_E4M3" => match scales.get(name.as_str()) {
                 Some((true, _)) => StorageForm::Fp8Block,
@@ -177,7 +179,7 @@ pub fn forms_from_model_dir(dir: &Path) -> anyhow::Result<FormSource> {
             // Integer buffers (PLE hash constants) are recomputed from the config; not weights of the manifest.
             "I64" | "I32" | "U8" | "BOOL" => continue,
             other => bail!(
-                "{}: tensor {name} has dtype {other}; the engine stores BF16, F32, FP8 block or MXFP8 tensors",
+                "{}: tensor {name} has dtype {other}; the engine reads BF16, F16, F32, FP8 block or MXFP8 tensors",
                 file.display()
             ),
         };

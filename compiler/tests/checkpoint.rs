@@ -208,4 +208,20 @@ fn forms_from_synthetic_headers() {
     );
     let err = format!("{:#}", forms_from_model_dir(mixed.path()).unwrap_err());
     assert!(err.contains("layers.0.mlp.experts.down_proj"), "{err}");
+
+    // F16 plans as BF16, since the loader reads it as it reads BF16 (converted at load): `compile --model` and
+    // `run --plans` agree on such a checkpoint.
+    let half = tempfile::tempdir().unwrap();
+    write_st(
+        &half.path().join("h.safetensors"),
+        &[("model.layers.0.self_attn.q_proj.weight", "F16", &[8, 8])],
+    );
+    let forms = forms_from_model_dir(half.path()).unwrap();
+    assert_eq!(
+        forms
+            .by_name
+            .get("layers.0.self_attn.q_proj.weight")
+            .copied(),
+        Some(StorageForm::Bf16)
+    );
 }

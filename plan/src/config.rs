@@ -24,6 +24,12 @@ pub enum ConfigError {
     },
 }
 
+/// A token id: a non-negative integer that fits `u32` (vocabularies are far smaller; the range against
+/// `vocab_size` is checked by [`ModelConfig::validate`]).
+fn token_id(v: &Value) -> Option<u32> {
+    v.as_u64().and_then(|x| u32::try_from(x).ok())
+}
+
 fn field_err(
     field: &str,
     value: impl std::fmt::Display,
@@ -421,15 +427,16 @@ impl ModelConfig {
             Some(Value::Array(items)) => items
                 .iter()
                 .map(|v| {
-                    v.as_u64()
-                        .map(|x| x as u32)
-                        .ok_or_else(|| field_err("eos_token_id", v, "integers"))
+                    token_id(v).ok_or_else(|| field_err("eos_token_id", v, "token ids (integers)"))
                 })
                 .collect::<Result<_, _>>()?,
-            Some(v) => vec![v
-                .as_u64()
-                .ok_or_else(|| field_err("eos_token_id", v, "an integer or a list"))?
-                as u32],
+            Some(v) => vec![token_id(v).ok_or_else(|| {
+                field_err(
+                    "eos_token_id",
+                    v,
+                    "a token id (an integer) or a list of them",
+                )
+            })?],
         };
 
         let mtp = parse_mtp(text, &r)?;
@@ -507,7 +514,13 @@ impl ModelConfig {
             layer_types,
             rope,
             eos_token_ids,
-            bos_token_id: r.opt_uint("bos_token_id")?.map(|v| v as u32),
+            bos_token_id: match text.get("bos_token_id") {
+                None | Some(Value::Null) => None,
+                Some(v) => Some(
+                    token_id(v)
+                        .ok_or_else(|| field_err("bos_token_id", v, "a token id (an integer)"))?,
+                ),
+            },
             tie_word_embeddings: r.boolean("tie_word_embeddings", false)?,
             mtp,
             declared_form,
@@ -537,6 +550,15 @@ impl ModelConfig {
             if v == 0 {
                 return Err(field_err(k, v, "a positive integer"));
             }
+        }
+        let in_vocab = format!("a token id below vocab_size {}", self.vocab_size);
+        for &id in &self.eos_token_ids {
+            if id >= self.vocab_size {
+                return Err(field_err("eos_token_id", id, in_vocab));
+            }
+        }
+        if let Some(id) = self.bos_token_id.filter(|&id| id >= self.vocab_size) {
+            return Err(field_err("bos_token_id", id, in_vocab));
         }
         if self.hc_count <= 1 {
             return Err(field_err(
@@ -764,6 +786,13 @@ fn parse_rope(v: Option<&Value>, r: &Reader) -> Result<RopeConfig, ConfigError> 
             "rope_parameters.factor",
             factor,
             "a number >= 1 for yarn",
+        ));
+    }
+    if !(theta.is_finite() && theta > 0.0) {
+        return Err(field_err(
+            "rope_parameters.rope_theta",
+            theta,
+            "a positive number (the rotary base, 10000 by default)",
         ));
     }
     Ok(RopeConfig {

@@ -21,12 +21,12 @@ const MAGIC: &[u8; 8] = b"FLASHPLN";
 #[derive(Debug, thiserror::Error)]
 pub enum FormatError {
     /// The file could not be read or written.
-    #[error("{path}: {source}")]
+    #[error("{path}: {cause}")]
     Io {
         /// The file.
         path: PathBuf,
-        /// The cause.
-        source: std::io::Error,
+        /// The cause (in the message, not a separate source, so that it prints once).
+        cause: std::io::Error,
     },
     /// Not a plan file, or truncated.
     #[error("{path}: not a flashplan plan file ({why})")]
@@ -252,9 +252,9 @@ impl PlanSet {
 
     /// Reads and checks a plan file.
     pub fn read(path: &Path) -> Result<PlanSet, FormatError> {
-        let bytes = std::fs::read(path).map_err(|source| FormatError::Io {
+        let bytes = std::fs::read(path).map_err(|cause| FormatError::Io {
             path: path.to_path_buf(),
-            source,
+            cause,
         })?;
         Self::from_bytes(&bytes, path)
     }
@@ -299,9 +299,9 @@ impl PlanSet {
 /// Writes `bytes` to `path` atomically (temporary file in the same folder, fsync, rename, then an fsync of the
 /// folder on Unix, so that a crash after the call returns cannot undo the rename).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), FormatError> {
-    let io = |source| FormatError::Io {
+    let io = |cause| FormatError::Io {
         path: path.to_path_buf(),
-        source,
+        cause,
     };
     let dir = path
         .parent()
@@ -326,9 +326,9 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), FormatError> {
         let _ = std::fs::remove_file(&tmp);
     }
     result.map_err(io)?;
-    sync_dir(dir).map_err(|source| FormatError::Io {
+    sync_dir(dir).map_err(|cause| FormatError::Io {
         path: dir.to_path_buf(),
-        source,
+        cause,
     })
 }
 

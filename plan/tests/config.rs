@@ -342,3 +342,24 @@ fn extra_keys_are_kept_not_refused() {
     );
     assert!(c.extra_keys.contains_key("mamba_ssm_dtype"));
 }
+
+#[test]
+fn refuses_token_ids_outside_the_vocabulary() {
+    // 248320 is the real vocab_size: an eos or bos at or past it would never be sampled or embedded.
+    refused(set("eos_token_id", json!(248320)), "eos_token_id");
+    refused(set("eos_token_id", json!([248044, 300000])), "eos_token_id");
+    refused(set("bos_token_id", json!(248320)), "bos_token_id");
+    // Past u32: refused, not cut to its low bits (2^32 + 5 would have become 5).
+    refused(set("eos_token_id", json!(4294967301u64)), "eos_token_id");
+    refused(set("bos_token_id", json!(4294967301u64)), "bos_token_id");
+}
+
+#[test]
+fn refuses_a_rotary_base_that_is_not_positive() {
+    for theta in [json!(0), json!(-1.0)] {
+        refused(
+            |o| o["rope_parameters"]["rope_theta"] = theta,
+            "rope_parameters.rope_theta",
+        );
+    }
+}

@@ -93,12 +93,12 @@ impl Default for LoadOptions {
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
     /// A file could not be opened or mapped.
-    #[error("{path}: {source}")]
+    #[error("{path}: {cause}")]
     Io {
         /// The file.
         path: PathBuf,
-        /// The cause.
-        source: std::io::Error,
+        /// The cause (in the message, not a separate source, so that it prints once).
+        cause: std::io::Error,
     },
     /// The directory has neither `model.safetensors` nor `model.safetensors.index.json`.
     #[error("{dir}: no {SINGLE_FILE} or {INDEX_FILE} (flash-next.md section 10)")]
@@ -125,12 +125,12 @@ pub enum CheckpointError {
         tensor: String,
     },
     /// A safetensors file could not be parsed (bad header, or a header that claims more bytes than the file has).
-    #[error("{file}: not a valid safetensors file, truncated or corrupt ({source})")]
+    #[error("{file}: not a valid safetensors file, truncated or corrupt ({cause})")]
     Safetensors {
         /// The file.
         file: PathBuf,
-        /// The safetensors crate's error.
-        source: SafeTensorError,
+        /// The safetensors crate's error (in the message, as `Io`'s).
+        cause: SafeTensorError,
     },
     /// The shard index places a tensor in a file that does not contain it.
     #[error("{index} places tensor {tensor} in {file}, which has no such tensor")]
@@ -611,7 +611,7 @@ struct Opened {
 fn open_files(dir: &Path) -> Result<Opened, CheckpointError> {
     let io = |path: &Path| {
         let path = path.to_path_buf();
-        move |source| CheckpointError::Io { path, source }
+        move |cause| CheckpointError::Io { path, cause }
     };
     let map_file = |path: PathBuf| -> Result<Shard, CheckpointError> {
         let f = File::open(&path).map_err(io(&path))?;
@@ -672,12 +672,11 @@ fn open_files(dir: &Path) -> Result<Opened, CheckpointError> {
     let single = dir.join(SINGLE_FILE);
     if single.is_file() {
         let shard = map_file(single)?;
-        let st = SafeTensors::deserialize(&shard.map).map_err(|source| {
-            CheckpointError::Safetensors {
+        let st =
+            SafeTensors::deserialize(&shard.map).map_err(|cause| CheckpointError::Safetensors {
                 file: shard.path.clone(),
-                source,
-            }
-        })?;
+                cause,
+            })?;
         let names = st.names().into_iter().map(|n| (n.to_string(), 0)).collect();
         return Ok(Opened {
             shards: vec![shard],
@@ -713,10 +712,10 @@ pub fn load_checkpoint(
     } = open_files(dir)?;
     let mut parsed: Vec<SafeTensors<'_>> = Vec::with_capacity(shards.len());
     for s in &shards {
-        parsed.push(SafeTensors::deserialize(&s.map).map_err(|source| {
+        parsed.push(SafeTensors::deserialize(&s.map).map_err(|cause| {
             CheckpointError::Safetensors {
                 file: s.path.clone(),
-                source,
+                cause,
             }
         })?);
     }

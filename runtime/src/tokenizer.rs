@@ -11,12 +11,12 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizerError {
     /// A file could not be read.
-    #[error("{path}: {source}")]
+    #[error("{path}: {cause}")]
     Io {
         /// The file.
         path: PathBuf,
-        /// The cause.
-        source: std::io::Error,
+        /// The cause (in the message, not a separate source, so that it prints once).
+        cause: std::io::Error,
     },
     /// `tokenizer.json` could not be parsed.
     #[error("{path}: {message}")]
@@ -27,18 +27,33 @@ pub enum TokenizerError {
         message: String,
     },
     /// `tokenizer_config.json` is not valid JSON.
-    #[error("{path}: {source}")]
+    #[error("{path}: {cause}")]
     Config {
         /// The file.
         path: PathBuf,
-        /// The cause.
-        source: serde_json::Error,
+        /// The cause (in the message, as `Io`'s).
+        cause: serde_json::Error,
+    },
+    /// A field of `tokenizer_config.json` (or the file itself) has the wrong type.
+    #[error("{path}: {field} is {found}, expected {expected}")]
+    ConfigField {
+        /// The file.
+        path: PathBuf,
+        /// The field (`the file` for the top level).
+        field: &'static str,
+        /// What the file holds there (its JSON type).
+        found: &'static str,
+        /// What is read there.
+        expected: &'static str,
     },
     /// Encoding or decoding failed.
     #[error("tokenizer: {0}")]
     Codec(String),
     /// The model has no chat template.
-    #[error("the model has no chat template (tokenizer_config.json has no chat_template)")]
+    #[error(
+        "the model has no chat template (tokenizer_config.json has no chat_template, and there is no \
+         chat_template.jinja beside it)"
+    )]
     NoChatTemplate,
     /// The chat template failed to render.
     #[error("chat template: {0}")]
@@ -52,6 +67,18 @@ pub struct ChatMessage {
     pub role: String,
     /// The text.
     pub content: String,
+}
+
+/// The JSON type of `v`, for messages.
+fn json_type(v: &serde_json::Value) -> &'static str {
+    match v {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Array(_) => "an array",
+        serde_json::Value::Object(_) => "an object",
+    }
 }
 
 /// A special token in `tokenizer_config.json`: a plain string or an `AddedToken` object with `content`.
@@ -92,10 +119,20 @@ impl Tokenizer {
     /// [`TokenizerError`] naming the file.
     pub fn from_dir(dir: &Path) -> Result<Self, TokenizerError> {
         let cfg = dir.join("tokenizer_config.json");
-        Self::from_files(
+        let mut t = Self::from_files(
             &dir.join("tokenizer.json"),
             cfg.exists().then_some(cfg.as_path()),
-        )
+        )?;
+        // transformers (4.43 on) saves the template beside the config, as chat_template.jinja.
+        let jinja = dir.join("chat_template.jinja");
+        if t.chat_template.is_none() && jinja.exists() {
+            let text = std::fs::read_to_string(&jinja).map_err(|cause| TokenizerError::Io {
+                path: jinja.clone(),
+                cause,
+            })?;
+            t.chat_template = Some(text);
+        }
+        Ok(t)
     }
 
     /// Loads a `tokenizer.json` and an optional `tokenizer_config.json`.
@@ -103,9 +140,9 @@ impl Tokenizer {
     /// # Errors
     /// [`TokenizerError`] naming the file.
     pub fn from_files(tokenizer: &Path, config: Option<&Path>) -> Result<Self, TokenizerError> {
-        let bytes = std::fs::read(tokenizer).map_err(|source| TokenizerError::Io {
+        let bytes = std::fs::read(tokenizer).map_err(|cause| TokenizerError::Io {
             path: tokenizer.to_path_buf(),
-            source,
+            cause,
         })?;
         let inner =
             tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| TokenizerError::Load {
@@ -120,16 +157,27 @@ impl Tokenizer {
             pad_token: None,
         };
         if let Some(cp) = config {
-            let text = std::fs::read_to_string(cp).map_err(|source| TokenizerError::Io {
+            let text = std::fs::read_to_string(cp).map_err(|cause| TokenizerError::Io {
                 path: cp.to_path_buf(),
-                source,
+                cause,
             })?;
             let v: serde_json::Value =
-                serde_json::from_str(&text).map_err(|source| TokenizerError::Config {
+                serde_json::from_str(&text).map_err(|cause| TokenizerError::Config {
                     path: cp.to_path_buf(),
-                    source,
+                    cause,
                 })?;
+            let field = |field, found, expected| TokenizerError::ConfigField {
+                path: cp.to_path_buf(),
+                field,
+                found,
+                expected,
+            };
+            if !v.is_object() {
+                return Err(field("the file", json_type(&v), "a JSON object"));
+            }
+            let templates = "a string, or a list of {\"name\", \"template\"} objects";
             t.chat_template = match v.get("chat_template") {
+                None | Some(serde_json::Value::Null) => None,
                 Some(serde_json::Value::String(s)) => Some(s.clone()),
                 // A list of named templates: take "default", else the first.
                 Some(serde_json::Value::Array(list)) => list
@@ -138,8 +186,16 @@ impl Tokenizer {
                     .or_else(|| list.first())
                     .and_then(|e| e.get("template"))
                     .and_then(|s| s.as_str())
-                    .map(str::to_string),
-                _ => None,
+                    .map(str::to_string)
+                    .map(Some)
+                    .ok_or_else(|| {
+                        field(
+                            "chat_template",
+                            "a list without a template string",
+                            templates,
+                        )
+                    })?,
+                Some(other) => return Err(field("chat_template", json_type(other), templates)),
             };
             t.eos_token = token_string(v.get("eos_token"));
             t.bos_token = token_string(v.get("bos_token"));
@@ -637,6 +693,74 @@ mod tests {
             "the stop completes at the token holding the space"
         );
         assert_eq!(used, ids.len() - t.encode("RIGHT", false).unwrap().len());
+    }
+
+    /// A copy of the bundled model's tokenizer.json in a folder of its own, with `config` as its
+    /// tokenizer_config.json (none when `None`).
+    fn tokenizer_dir(config: Option<&str>) -> tempfile::TempDir {
+        let tmp = tempfile::tempdir().unwrap();
+        std::fs::copy(
+            root().join("models/flashnext-tiny/tokenizer.json"),
+            tmp.path().join("tokenizer.json"),
+        )
+        .unwrap();
+        if let Some(c) = config {
+            std::fs::write(tmp.path().join("tokenizer_config.json"), c).unwrap();
+        }
+        tmp
+    }
+
+    #[test]
+    fn the_chat_template_beside_the_config_is_read() {
+        // transformers saves the template as chat_template.jinja; one in tokenizer_config.json comes first.
+        let dir = tokenizer_dir(Some(r#"{"eos_token": "<|endoftext|>"}"#));
+        assert!(matches!(
+            Tokenizer::from_dir(dir.path())
+                .unwrap()
+                .apply_chat_template(&[], false),
+            Err(TokenizerError::NoChatTemplate)
+        ));
+        let jinja = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}";
+        std::fs::write(dir.path().join("chat_template.jinja"), jinja).unwrap();
+        let t = Tokenizer::from_dir(dir.path()).unwrap();
+        let msg = ChatMessage {
+            role: "user".into(),
+            content: "hi".into(),
+        };
+        assert_eq!(
+            t.apply_chat_template(std::slice::from_ref(&msg), false)
+                .unwrap(),
+            "[user]hi"
+        );
+        std::fs::write(
+            dir.path().join("tokenizer_config.json"),
+            r#"{"chat_template": "<{{ messages[0].content }}>"}"#,
+        )
+        .unwrap();
+        let t = Tokenizer::from_dir(dir.path()).unwrap();
+        assert_eq!(t.apply_chat_template(&[msg], false).unwrap(), "<hi>");
+    }
+
+    #[test]
+    fn a_config_of_the_wrong_shape_is_named() {
+        for (config, says) in [
+            ("[1, 2]", "the file is an array, expected a JSON object"),
+            (
+                r#"{"chat_template": 42}"#,
+                "chat_template is a number, expected a string",
+            ),
+            (
+                r#"{"chat_template": []}"#,
+                "chat_template is a list without a template string",
+            ),
+        ] {
+            let dir = tokenizer_dir(Some(config));
+            let e = Tokenizer::from_dir(dir.path()).err().map(|e| e.to_string());
+            assert!(
+                e.as_deref().is_some_and(|e| e.contains(says)),
+                "{config}: {e:?}"
+            );
+        }
     }
 
     #[test]
