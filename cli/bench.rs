@@ -25,24 +25,29 @@ pub struct BenchArgs {
     #[arg(long, requires = "model")]
     pub plans: Option<PathBuf>,
     /// Streams at once for --model.
-    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
     pub parallel: u32,
     /// Most drafts per window for --model.
-    #[arg(long, default_value_t = 15)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 15)]
     pub max_depth: u32,
     /// Context per stream (tokens) when compiling plans for --model [default: 4096]; with --plans theirs holds,
     /// and a --context other than it is refused.
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub context: Option<u64>,
     /// Concurrency levels (comma-separated).
-    #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        value_delimiter = ',',
+        default_value = "1,2,4"
+    )]
     pub concurrency: Vec<usize>,
     /// Prompts: a JSON array of strings, or a text file whose prompts are separated by lines holding `---`.
     /// Default: a few built-in Python prompts.
     #[arg(long)]
     pub prompts: Option<PathBuf>,
     /// Reply tokens per request (ignore_eos is set so every reply has this many).
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 64)]
     pub max_tokens: u32,
     /// Sampling temperature (0: greedy); sampled runs use seed 1234.
     #[arg(long, default_value_t = 0.0)]

@@ -16,8 +16,8 @@ pub struct DemoArgs {
     /// The demo model directory (default: models/flashnext-tiny of the repository).
     #[arg(long)]
     pub model: Option<PathBuf>,
-    /// Reply tokens per run.
-    #[arg(long, default_value_t = 64)]
+    /// Reply tokens per run (at least 1).
+    #[arg(long, allow_negative_numbers = true, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_tokens: u32,
 }
 

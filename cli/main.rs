@@ -19,12 +19,11 @@ struct Cli {
     cmd: Cmd,
 }
 
-/// The subcommands. Each takes negative numbers as values (`allow_negative_numbers`), so that `--max-depth -1` is
-/// an out-of-range value of `--max-depth`, said so, not an unknown argument `-1`.
+/// The subcommands. Their numeric options take negative numbers as values (`allow_negative_numbers`), so that
+/// `--max-depth -1` is an out-of-range value of `--max-depth`, said so, not an unknown argument `-1`.
 #[derive(Subcommand)]
 enum Cmd {
     /// Compile a config (or model directory) into a plan file, DIR/plans.fplan.
-    #[command(allow_negative_numbers = true)]
     Compile(flashplan_compiler::cli::CompileArgs),
     /// Work with plan files.
     Plans {
@@ -32,16 +31,12 @@ enum Cmd {
         cmd: flashplan_compiler::cli::PlansCmd,
     },
     /// Generate a reply to one prompt, printed as it streams, then a statistics line.
-    #[command(allow_negative_numbers = true)]
     Run(run::RunArgs),
     /// Serve the OpenAI-compatible API.
-    #[command(allow_negative_numbers = true)]
     Serve(serve::ServeArgs),
     /// Benchmark a server: decode tokens/s, time to first token, aggregate tokens/s, exactness checks.
-    #[command(allow_negative_numbers = true)]
     Bench(bench::BenchArgs),
     /// The bundled tiny model: copy-heavy and fresh prompts, with and without drafts.
-    #[command(allow_negative_numbers = true)]
     Demo(demo::DemoArgs),
 }
 

@@ -26,18 +26,18 @@ pub struct ModelArgs {
     #[arg(long)]
     pub plans: Option<PathBuf>,
     /// Most streams decoding at once (at least 1).
-    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
     pub parallel: u32,
     /// Most drafts per verify window (at most the plans' max depth).
-    #[arg(long, default_value_t = 15)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 15)]
     pub max_depth: u32,
     /// Context per stream (tokens) when compiling plans into the cache [default: 32768]. With --plans the plans'
     /// context holds, and a --context other than it is refused.
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub context: Option<u64>,
     /// MTP confidence threshold: a chained draft whose probability (temperature 1) is below it ends the chain;
     /// the first draft is always kept.
-    #[arg(long, default_value_t = 0.3)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0.3)]
     pub confidence: f32,
 }
 
@@ -120,13 +120,11 @@ pub fn gpu_arch() -> Result<(String, String), String> {
 /// The context per stream compiled into the cache when `--context` is not given (`run`, `serve`).
 pub const DEFAULT_CONTEXT: u64 = 32768;
 
-/// Plans for `model`: `plans` when given (refused when `context`, the context the user asked for, differs from
-/// theirs), else the cache entry keyed by config, arch, options and compiler version, compiled (with a progress
-/// bar) when missing.
+/// Plans for `model`: `plans` when given, else the cache entry keyed by config, arch, options and compiler
+/// version, compiled (with a progress bar) when missing.
 pub fn plans_for(
     model: &Path,
     plans: Option<&Path>,
-    context: Option<u64>,
     opts: &CompileOptions,
 ) -> anyhow::Result<PlanSet> {
     let cfg_path = model.join("config.json");
@@ -139,15 +137,6 @@ pub fn plans_for(
         let set = PlanSet::read(&file).with_context(|| format!("reading {}", file.display()))?;
         set.check_matches(&cfg, &opts.arch, None)
             .with_context(|| format!("{} does not fit {}", file.display(), model.display()))?;
-        if let Some(c) = context {
-            anyhow::ensure!(
-                c == set.body.options.context,
-                "--context {c}: the plans {} were compiled for a context of {} tokens (compile plans for {c} with \
-                 `flashplan compile --context {c}`, or leave --plans out to compile them into the cache)",
-                file.display(),
-                set.body.options.context
-            );
-        }
         return Ok(set);
     }
     let forms = flashplan_compiler::checkpoint::forms_from_model_dir(model)
@@ -242,8 +231,9 @@ pub fn make_backend(
 /// Plans and backend together: with `FLASHPLAN_BACKEND` unset or `auto`, the CUDA backend when a Hopper GPU is
 /// present and the plans can be built for it (NVRTC, or the kernel cache `$FLASHPLAN_KERNEL_CACHE`, by default
 /// `<cache>/../kernels`, filled on a machine with NVRTC), else the CPU backend; the choice and any reason for
-/// falling back are printed on stderr. `copts.arch` is ignored (the backend decides it); `context` is the
-/// `--context` asked for, checked against given plans ([`plans_for`]).
+/// falling back are printed on stderr. `copts.arch` is ignored (the backend decides it). `context`, the
+/// `--context` asked for, is checked against given plans first, so that a mismatch is said as such and never
+/// read as a reason to fall back from CUDA to the CPU.
 pub fn load_backend(
     model: &Path,
     plans: Option<&Path>,
@@ -251,6 +241,17 @@ pub fn load_backend(
     copts: &CompileOptions,
     form: flashplan_plan::DrafterForm,
 ) -> anyhow::Result<(Box<dyn Backend>, bool, String)> {
+    if let (Some(p), Some(c)) = (plans, context) {
+        let file = flashplan_compiler::inspect::plan_file(p)?;
+        let set = PlanSet::read(&file).with_context(|| format!("reading {}", file.display()))?;
+        let theirs = set.body.options.context;
+        anyhow::ensure!(
+            c == theirs,
+            "--context {c}: the plans {} were compiled for a context of {theirs} tokens (compile plans for {c} \
+             with `flashplan compile --context {c}`, or leave --plans out to compile them into the cache)",
+            file.display()
+        );
+    }
     let choice = backend_choice()?;
     let mut why_cpu = String::from("FLASHPLAN_BACKEND=cpu");
     if choice != BackendChoice::Cpu {
@@ -266,8 +267,8 @@ pub fn load_backend(
                 }
                 let mut o = copts.clone();
                 o.arch = arch;
-                let got = plans_for(model, plans, context, &o)
-                    .and_then(|set| make_backend(model, set.body, form));
+                let got =
+                    plans_for(model, plans, &o).and_then(|set| make_backend(model, set.body, form));
                 match got {
                     Ok(b) => {
                         eprintln!("backend: {}", b.2);
@@ -284,7 +285,7 @@ pub fn load_backend(
     eprintln!("backend: running on the CPU backend ({why_cpu})");
     let mut o = copts.clone();
     o.arch = flashplan_compiler::default_arch().to_string();
-    let set = plans_for(model, plans, context, &o)?;
+    let set = plans_for(model, plans, &o)?;
     make_backend(model, set.body, form)
 }
 

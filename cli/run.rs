@@ -31,7 +31,7 @@ pub struct RunArgs {
     #[arg(long)]
     pub chat: bool,
     /// Most reply tokens (at least 1).
-    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 128, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_tokens: u32,
     /// Sampling temperature, 0 to 2 (0: greedy).
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]

@@ -25,16 +25,21 @@ pub struct CompileArgs {
     #[arg(long)]
     pub arch: Option<String>,
     /// Most drafts per window (verify windows have 1..=N+1 rows).
-    #[arg(long, default_value_t = 15)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 15)]
     pub max_depth: u32,
     /// Stream counts with verify and MTP variants (comma-separated).
-    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16")]
+    #[arg(
+        long,
+        allow_negative_numbers = true,
+        value_delimiter = ',',
+        default_value = "1,2,4,8,16"
+    )]
     pub streams: Vec<u32>,
     /// Context length per slot (tokens).
-    #[arg(long, default_value_t = 32768)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 32768)]
     pub context: u64,
     /// Prefill chunk rows.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 64)]
     pub prefill_chunk: u32,
 }
 

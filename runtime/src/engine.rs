@@ -135,8 +135,9 @@ pub struct ReplyStats {
     /// Drafts proposed by the copy index.
     pub drafted_copy: u32,
     /// Copy drafts accepted and in the reply: a draft the verify forward kept after the reply's end (a stop string
-    /// or token, or `max_tokens`, inside the round's kept tokens) is not counted, so `accepted_copy +
-    /// accepted_mtp + rounds` is at most `tokens - 1 + 1` (the last round's bonus token may be cut).
+    /// or token inside the round's kept tokens) is not counted, so `accepted_copy + accepted_mtp + rounds` equals
+    /// `tokens - 1`, or `tokens` where the last round's bonus token fell after the end. (`drafted_*` count every
+    /// proposal, those after the end included.)
     pub accepted_copy: u32,
     /// Drafts proposed by the MTP head.
     pub drafted_mtp: u32,

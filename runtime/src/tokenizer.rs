@@ -123,9 +123,10 @@ impl Tokenizer {
             &dir.join("tokenizer.json"),
             cfg.exists().then_some(cfg.as_path()),
         )?;
-        // transformers (4.43 on) saves the template beside the config, as chat_template.jinja.
+        // Recent transformers save the template beside the config, as chat_template.jinja, which then comes before
+        // the config's `chat_template` (as transformers loads them).
         let jinja = dir.join("chat_template.jinja");
-        if t.chat_template.is_none() && jinja.exists() {
+        if jinja.exists() {
             let text = std::fs::read_to_string(&jinja).map_err(|cause| TokenizerError::Io {
                 path: jinja.clone(),
                 cause,
@@ -712,7 +713,7 @@ mod tests {
 
     #[test]
     fn the_chat_template_beside_the_config_is_read() {
-        // transformers saves the template as chat_template.jinja; one in tokenizer_config.json comes first.
+        // transformers saves the template as chat_template.jinja, which comes before one in tokenizer_config.json.
         let dir = tokenizer_dir(Some(r#"{"eos_token": "<|endoftext|>"}"#));
         assert!(matches!(
             Tokenizer::from_dir(dir.path())
@@ -737,6 +738,13 @@ mod tests {
             r#"{"chat_template": "<{{ messages[0].content }}>"}"#,
         )
         .unwrap();
+        let t = Tokenizer::from_dir(dir.path()).unwrap();
+        assert_eq!(
+            t.apply_chat_template(std::slice::from_ref(&msg), false)
+                .unwrap(),
+            "[user]hi"
+        );
+        std::fs::remove_file(dir.path().join("chat_template.jinja")).unwrap();
         let t = Tokenizer::from_dir(dir.path()).unwrap();
         assert_eq!(t.apply_chat_template(&[msg], false).unwrap(), "<hi>");
     }

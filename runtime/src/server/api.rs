@@ -402,9 +402,10 @@ pub fn parse_messages(m: &Map<String, Value>) -> Result<Prompt, ApiError> {
     Ok(Prompt::Chat(out))
 }
 
-/// Refuses a message field other than `role` and `content` unless it changes nothing here: `tool_call_id` on a
-/// `tool` message (the chat template does not read it), and `name`, `tool_calls`, `function_call`, `refusal` and
-/// `audio` when null or empty (this server neither passes names to the template nor calls tools).
+/// Refuses a message field other than `role` and `content` unless it changes nothing here: a null field (as the
+/// `openai` client's `model_dump()` of a reply writes its unset ones), `name` (a string; the chat templates do not
+/// read it, so it is accepted and not used), `tool_call_id` on a `tool` message (not read either), and
+/// `tool_calls`, `function_call`, `refusal`, `audio` and `annotations` when empty (this server calls no tools).
 ///
 /// # Errors
 /// 400 naming `messages[i].field`.
@@ -417,19 +418,22 @@ fn check_message_fields(p: &str, role: &str, o: &Map<String, Value>) -> Result<(
             Value::Object(m) => m.is_empty(),
             _ => false,
         };
-        let ok = match k.as_str() {
-            "role" | "content" => true,
-            "tool_call_id" => role == "tool" && (v.is_string() || v.is_null()),
-            "name" | "tool_calls" | "function_call" | "refusal" | "audio" => empty,
-            _ => false,
-        };
+        let ok = v.is_null()
+            || match k.as_str() {
+                "role" | "content" => true,
+                "name" => v.is_string(),
+                "tool_call_id" => role == "tool" && v.is_string(),
+                "tool_calls" | "function_call" | "refusal" | "audio" | "annotations" => empty,
+                _ => false,
+            };
         if !ok {
             return Err(ApiError::invalid(
                 Some(&format!("{p}.{k}")),
                 format!(
                     "`{p}.{k}` is not supported by this server (got {v}): a message has `role` and `content`, \
-                     plus `tool_call_id` on a tool message; `name`, `tool_calls`, `function_call`, `refusal` and \
-                     `audio` only when empty"
+                     and may have `name` (a string, not used) and `tool_call_id` on a tool message; `tool_calls`, \
+                     `function_call`, `refusal`, `audio` and `annotations` only when empty, any other field only \
+                     when null"
                 ),
             )
             .code("unsupported_parameter"));
@@ -739,8 +743,13 @@ mod tests {
                 "is not supported",
             ),
             (
-                r#"{"messages": [{"role": "user", "content": "hi", "name": "ann"}]}"#,
+                r#"{"messages": [{"role": "user", "content": "hi", "name": 7}]}"#,
                 "messages[0].name",
+                "a string, not used",
+            ),
+            (
+                r#"{"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "c"}]}]}"#,
+                "messages[0].tool_calls",
                 "only when empty",
             ),
             (
@@ -768,11 +777,12 @@ mod tests {
             assert_eq!(e.param.as_deref(), Some(param), "{body}: {}", e.message);
             assert!(e.message.contains(says), "{body}: {}", e.message);
         }
-        // What changes nothing is taken: an assistant turn without content, empty tool fields, a tool message's
-        // call id, OpenAI's obfuscation switch.
+        // What changes nothing is taken: a name, an assistant turn without content and with the null fields of the
+        // openai client's `model_dump()`, empty tool fields, a tool message's call id, OpenAI's obfuscation switch.
         assert!(p(
-            r#"{"messages": [{"role": "user", "content": "hi", "name": ""},
-                {"role": "assistant", "content": null, "tool_calls": []},
+            r#"{"messages": [{"role": "user", "content": "hi", "name": "ann"},
+                {"role": "assistant", "content": null, "tool_calls": [], "annotations": null,
+                 "refusal": null, "audio": null, "function_call": null, "future_field": null},
                 {"role": "tool", "content": "4", "tool_call_id": "c1"}],
                 "stream_options": {"include_usage": true, "include_obfuscation": false}}"#,
             true

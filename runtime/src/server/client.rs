@@ -10,7 +10,7 @@ use std::time::Duration;
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
     /// Connecting, writing or reading failed.
-    #[error("{0}")]
+    #[error(transparent)]
     Io(#[from] std::io::Error),
     /// The response was not HTTP as expected.
     #[error("bad response: {0}")]
