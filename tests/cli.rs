@@ -90,10 +90,46 @@ fn an_empty_folder_or_backend_variable_refuses_to_start() {
     }
 }
 
+/// Runs `flashplan args` from the repository (CPU backend, `env` set) and expects it to fail: its stderr.
+fn refused(args: &[&str], env: &[(&str, &str)]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_flashplan"))
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("FLASHPLAN_BACKEND", "cpu")
+        .envs(env.iter().copied())
+        .output()
+        .expect("runs flashplan");
+    assert!(!out.status.success(), "{args:?} with {env:?} was accepted");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// `run` on the bundled model and its committed plans, prompt `x`, with `extra` options.
+fn run_bundled(extra: &[&str]) -> Vec<String> {
+    let mut a = [
+        "run",
+        "--model",
+        "models/flashnext-tiny",
+        "--plans",
+        "plans/flashnext-tiny",
+    ]
+    .map(String::from)
+    .to_vec();
+    a.extend(["--prompt", "x"].map(String::from));
+    a.extend(extra.iter().map(|s| s.to_string()));
+    a
+}
+
 #[test]
 fn every_command_refuses_a_wrong_value_of_any_product_variable() {
     // The commands that load no model check the same variables as those that do: a wrong value is refused by
     // name whichever command meets it first, with the one wording of every variable.
+    let compile = [
+        "compile",
+        "--config",
+        "configs/flashnext-tiny.json",
+        "--out",
+        "/nonexistent/plans",
+    ];
     for (var, value) in [
         ("FLASHPLAN_COPY_DRAFTS", "7"),
         ("FLASHPLAN_GPU", "2"),
@@ -102,31 +138,11 @@ fn every_command_refuses_a_wrong_value_of_any_product_variable() {
     ] {
         for args in [
             &["plans", "inspect", "plans/flashnext-tiny"][..],
-            &[
-                "compile",
-                "--config",
-                "configs/flashnext-tiny.json",
-                "--out",
-                "/nonexistent/plans",
-            ][..],
+            &compile[..],
         ] {
-            let out = Command::new(env!("CARGO_BIN_EXE_flashplan"))
-                .args(args)
-                .current_dir(env!("CARGO_MANIFEST_DIR"))
-                .env(var, value)
-                .output()
-                .expect("runs flashplan");
-            assert!(
-                !out.status.success(),
-                "{var}={value} was accepted by {args:?}"
-            );
-            let stderr = String::from_utf8_lossy(&out.stderr);
-            assert!(
-                stderr.contains(&format!(
-                    "environment variable {var}=\"{value}\" is not accepted: expected"
-                )),
-                "{args:?}: {stderr}"
-            );
+            let e = refused(args, &[(var, value)]);
+            let says = format!("environment variable {var}=\"{value}\" is not accepted: expected");
+            assert!(e.contains(&says), "{args:?}: {e}");
         }
     }
 }
@@ -135,24 +151,17 @@ fn every_command_refuses_a_wrong_value_of_any_product_variable() {
 fn a_context_other_than_the_given_plans_is_refused() {
     // --context compiles plans into the cache; with --plans, whose context is fixed, another value would be
     // silently ignored, so it is refused, naming both.
-    let out = Command::new(env!("CARGO_BIN_EXE_flashplan"))
-        .args(["run", "--model", "models/flashnext-tiny", "--plans"])
-        .args(["plans/flashnext-tiny", "--prompt", "x", "--context", "8192"])
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .env("FLASHPLAN_BACKEND", "cpu")
-        .output()
-        .expect("runs flashplan run");
-    assert!(!out.status.success());
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let args = run_bundled(&["--context", "8192"]);
+    let e = refused(&args.iter().map(String::as_str).collect::<Vec<_>>(), &[]);
     assert!(
-        stderr.contains("--context 8192") && stderr.contains("a context of 4096 tokens"),
-        "{stderr}"
+        e.contains("--context 8192") && e.contains("a context of 4096 tokens"),
+        "{e}"
     );
 }
 
 #[test]
 fn run_refuses_a_reply_of_no_tokens_and_takes_negative_numbers_as_values() {
-    for (args, says) in [
+    for (extra, says) in [
         (&["--max-tokens", "0"][..], "'0' for '--max-tokens"),
         (&["--max-depth", "-1"][..], "'-1' for '--max-depth"),
         (
@@ -164,42 +173,28 @@ fn run_refuses_a_reply_of_no_tokens_and_takes_negative_numbers_as_values() {
             "--temperature 3: expected 0 to 2",
         ),
     ] {
-        let out = Command::new(env!("CARGO_BIN_EXE_flashplan"))
-            .args(["run", "--model", "models/flashnext-tiny", "--plans"])
-            .args(["plans/flashnext-tiny", "--prompt", "x"])
-            .args(args)
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .env("FLASHPLAN_BACKEND", "cpu")
-            .output()
-            .expect("runs flashplan run");
-        assert!(!out.status.success(), "{args:?} was accepted");
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(stderr.contains(says), "{args:?}: {stderr}");
+        let args = run_bundled(extra);
+        let e = refused(&args.iter().map(String::as_str).collect::<Vec<_>>(), &[]);
+        assert!(e.contains(says), "{extra:?}: {e}");
     }
 }
 
 #[test]
 fn compile_names_its_two_sources_and_its_archs() {
-    let compile = |args: &[&str]| {
-        let out = Command::new(env!("CARGO_BIN_EXE_flashplan"))
-            .arg("compile")
-            .args(args)
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .output()
-            .expect("runs flashplan compile");
-        assert!(!out.status.success(), "{args:?} was accepted");
-        String::from_utf8_lossy(&out.stderr).into_owned()
-    };
-    let e = compile(&["--out", "/nonexistent/plans"]);
+    let e = refused(&["compile", "--out", "/nonexistent/plans"], &[]);
     assert!(e.contains("--model <MODEL>|--config <CONFIG>"), "{e}");
-    let e = compile(&[
-        "--config",
-        "configs/flashnext-tiny.json",
-        "--out",
-        "/nonexistent/plans",
-        "--arch",
-        "sm_80",
-    ]);
+    let e = refused(
+        &[
+            "compile",
+            "--config",
+            "configs/flashnext-tiny.json",
+            "--out",
+            "/nonexistent/plans",
+            "--arch",
+            "sm_80",
+        ],
+        &[],
+    );
     assert!(e.contains("--arch = sm_80: expected cpu or sm_90a"), "{e}");
 }
 
@@ -207,24 +202,24 @@ fn compile_names_its_two_sources_and_its_archs() {
 fn a_port_in_use_fails_before_the_model_loads() {
     let held = std::net::TcpListener::bind("127.0.0.1:0").expect("a port");
     let port = held.local_addr().expect("its address").port().to_string();
-    let out = Command::new(env!("CARGO_BIN_EXE_flashplan"))
-        .args(["serve", "--model", "models/flashnext-tiny", "--plans"])
-        .args(["plans/flashnext-tiny", "--port", &port])
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .env("FLASHPLAN_BACKEND", "cpu")
-        .output()
-        .expect("runs flashplan serve");
-    assert!(!out.status.success());
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let e = refused(
+        &[
+            "serve",
+            "--model",
+            "models/flashnext-tiny",
+            "--plans",
+            "plans/flashnext-tiny",
+            "--port",
+            &port,
+        ],
+        &[],
+    );
     assert!(
-        stderr.contains(&format!("binding --host 127.0.0.1 --port {port}")),
-        "{stderr}"
+        e.contains(&format!("binding --host 127.0.0.1 --port {port}")),
+        "{e}"
     );
     // Nothing loaded, nothing announced.
-    assert!(
-        !stderr.contains("backend:") && !stderr.contains("serving"),
-        "{stderr}"
-    );
+    assert!(!e.contains("backend:") && !e.contains("serving"), "{e}");
 }
 
 #[test]
