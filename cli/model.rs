@@ -360,6 +360,26 @@ pub fn check_folders() -> anyhow::Result<()> {
     folder_var("FLASHPLAN_KERNEL_CACHE").map(|_| ())
 }
 
+/// Refuses a tokenizer that can produce ids the model cannot embed (an id at or past the config's `vocab_size`):
+/// likely a tokenizer made for another model. One with fewer ids than the model's vocabulary is usual (padding).
+fn check_tokenizer_fits(model: &Path, tokenizer: &Tokenizer) -> anyhow::Result<()> {
+    let cfg_path = model.join("config.json");
+    let text = std::fs::read_to_string(&cfg_path)
+        .with_context(|| format!("reading {}", cfg_path.display()))?;
+    let cfg = ModelConfig::from_json_str(&text)
+        .with_context(|| format!("config {}", cfg_path.display()))?;
+    if let Some(max) = tokenizer.max_token_id() {
+        anyhow::ensure!(
+            max < cfg.vocab_size,
+            "{}: the tokenizer has token id {max}, but the model's vocab_size is {} (expected every tokenizer id \
+             below it: is tokenizer.json from another model?)",
+            model.join("tokenizer.json").display(),
+            cfg.vocab_size
+        );
+    }
+    Ok(())
+}
+
 /// Loads plans, checkpoint and tokenizer, and builds the engine.
 pub fn load(a: &ModelArgs) -> anyhow::Result<Loaded> {
     anyhow::ensure!(
@@ -373,15 +393,20 @@ pub fn load(a: &ModelArgs) -> anyhow::Result<Loaded> {
     };
     anyhow::ensure!(
         a.model.is_dir(),
-        "--model {}: no such model directory (expected a Hugging Face model directory: config.json, the \
-         safetensors, tokenizer.json)",
-        a.model.display()
+        "--model {}: {} (expected a Hugging Face model directory: config.json, the safetensors, tokenizer.json)",
+        a.model.display(),
+        if a.model.exists() {
+            "a file, not a directory"
+        } else {
+            "no such model directory"
+        }
     );
     let mut copts = flashplan_compiler::default_options(flashplan_compiler::default_arch());
     copts.context = a.context.unwrap_or(DEFAULT_CONTEXT);
     copts.max_depth = a.max_depth.max(1);
     let tokenizer = Tokenizer::from_dir(&a.model)
         .with_context(|| format!("loading the tokenizer of {}", a.model.display()))?;
+    check_tokenizer_fits(&a.model, &tokenizer)?;
     let (backend, has_mtp, _) = load_backend(
         &a.model,
         a.plans.as_deref(),
@@ -396,6 +421,12 @@ pub fn load(a: &ModelArgs) -> anyhow::Result<Loaded> {
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| "model".into());
+    if !has_mtp {
+        eprintln!(
+            "note: {} has no MTP drafter (no mtp.* tensors): rounds draft from the copy index alone",
+            a.model.display()
+        );
+    }
     Ok(Loaded {
         engine: Engine::new(backend, eopts, has_mtp),
         tokenizer: Arc::new(tokenizer),

@@ -526,3 +526,27 @@ fn sigterm_stops_the_server_as_ctrl_c_does() {
         );
     }
 }
+
+#[test]
+fn a_tokenizer_with_ids_past_the_vocabulary_is_refused() {
+    // The bundled tokenizer (8192 ids) beside a config whose vocab_size is 4096: refused before anything loads,
+    // naming both sizes.
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let dir = tempfile::tempdir().expect("tempdir");
+    let src = root.join("models/flashnext-tiny");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).expect("config"))
+            .expect("config parses");
+    // The bundled config is a bare text config (model_type qwen4_exp_text).
+    cfg["vocab_size"] = 4096.into();
+    std::fs::write(dir.path().join("config.json"), cfg.to_string()).expect("write config");
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(src.join(f), dir.path().join(f)).expect("copy tokenizer");
+    }
+    let model = dir.path().to_string_lossy().into_owned();
+    let e = refused(&["run", "--model", &model, "--prompt", "x"], &[]);
+    assert!(
+        e.contains("vocab_size is 4096") && e.contains("token id 8"),
+        "{e}"
+    );
+}

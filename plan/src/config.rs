@@ -301,7 +301,23 @@ impl ModelConfig {
         let root = root
             .as_object()
             .ok_or_else(|| ConfigError::Json("the top level is not an object".into()))?;
-        let model_type = root.get("model_type").and_then(Value::as_str).unwrap_or("");
+        let model_type = match root.get("model_type") {
+            None | Some(Value::Null) => {
+                return Err(field_err(
+                    "model_type",
+                    "missing",
+                    "\"qwen4_exp\" or \"qwen4_exp_text\"",
+                ))
+            }
+            Some(Value::String(t)) => t.as_str(),
+            Some(v) => {
+                return Err(field_err(
+                    "model_type",
+                    v,
+                    "\"qwen4_exp\" or \"qwen4_exp_text\"",
+                ))
+            }
+        };
         let text = match model_type {
             "qwen4_exp" => match root.get("text_config") {
                 Some(Value::Object(t)) => t,
@@ -657,8 +673,18 @@ impl ModelConfig {
             ));
         }
         if !self.ple_layer_ids.is_empty() {
-            let heads = (self.ngram_size.saturating_sub(1)) * self.heads_per_ngram;
-            if heads == 0 || self.ple_embed_dim == 0 || self.ple_embed_dim % heads != 0 {
+            if self.ngram_size < 2 {
+                return Err(field_err(
+                    "ngram_size",
+                    self.ngram_size,
+                    "an integer >= 2 (n-grams of the previous ngram_size - 1 tokens and the current one)",
+                ));
+            }
+            if self.heads_per_ngram == 0 {
+                return Err(field_err("heads_per_ngram", 0, "a positive integer"));
+            }
+            let heads = (self.ngram_size - 1) * self.heads_per_ngram;
+            if self.ple_embed_dim == 0 || self.ple_embed_dim % heads != 0 {
                 return Err(field_err(
                     "ple_embed_dim",
                     self.ple_embed_dim,
@@ -691,11 +717,18 @@ impl ModelConfig {
             if self.ple_conv_kernel_size == 0 {
                 return Err(field_err("ple_conv_kernel_size", 0, "a positive integer"));
             }
-            if self.ngram_vocab_size_base < 2 || self.make_ngram_vocab_size_divisible_by == 0 {
+            if self.ngram_vocab_size_base < 2 {
                 return Err(field_err(
                     "ngram_vocab_size_base",
                     self.ngram_vocab_size_base,
                     "an integer >= 2",
+                ));
+            }
+            if self.make_ngram_vocab_size_divisible_by == 0 {
+                return Err(field_err(
+                    "make_ngram_vocab_size_divisible_by",
+                    0,
+                    "a positive integer",
                 ));
             }
         }

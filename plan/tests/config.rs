@@ -363,3 +363,27 @@ fn refuses_a_rotary_base_that_is_not_positive() {
         );
     }
 }
+
+#[test]
+fn names_the_ple_field_at_fault() {
+    // Each rule names its own field, not a neighbour computed from it.
+    refused(set("ngram_size", json!(1)), "ngram_size");
+    refused(set("heads_per_ngram", json!(0)), "heads_per_ngram");
+    refused(
+        set("make_ngram_vocab_size_divisible_by", json!(0)),
+        "make_ngram_vocab_size_divisible_by",
+    );
+    refused(
+        set("ngram_vocab_size_base", json!(1)),
+        "ngram_vocab_size_base",
+    );
+}
+
+#[test]
+fn a_missing_model_type_is_said_so() {
+    let e = ModelConfig::from_json(&json!({"hidden_size": 8})).unwrap_err();
+    assert!(
+        e.to_string().contains("model_type") && e.to_string().contains("missing"),
+        "{e}"
+    );
+}

@@ -210,6 +210,12 @@ impl Tokenizer {
         self.inner.get_vocab_size(true) as u32
     }
 
+    /// The largest token id the tokenizer can produce (its vocabulary's and its added tokens'), `None` for an
+    /// empty vocabulary.
+    pub fn max_token_id(&self) -> Option<u32> {
+        self.inner.get_vocab(true).into_values().max()
+    }
+
     /// The id of a token string (a special token such as `<|im_end|>`), if it is in the vocabulary.
     pub fn token_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)

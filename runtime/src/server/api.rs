@@ -475,6 +475,15 @@ pub fn parse_gen(m: &Map<String, Value>, chat: bool) -> Result<GenParams, ApiErr
                     format!("`{k}` must be from 1 to {}, got {n}", u32::MAX),
                 ));
             }
+            if let Some(prev) = max_tokens.filter(|&prev| prev != n as u32) {
+                return Err(ApiError::invalid(
+                    Some(k),
+                    format!(
+                        "`max_tokens` {prev} and `max_completion_tokens` {n} disagree: give one of them (OpenAI's \
+                         `max_completion_tokens` replaces `max_tokens`)"
+                    ),
+                ));
+            }
             (max_tokens, max_tokens_field) = (Some(n as u32), k);
         }
     }
@@ -807,6 +816,25 @@ mod tests {
             (g.max_tokens, g.max_tokens_field),
             (Some(3), "max_completion_tokens")
         );
+        // Both limits may be given when they agree; two different limits are refused, naming the second.
+        let g = p(
+            r#"{"prompt": "a", "max_tokens": 3, "max_completion_tokens": 3}"#,
+            false,
+        )
+        .unwrap();
+        assert_eq!(g.max_tokens, Some(3));
+        let e = p(
+            r#"{"prompt": "a", "max_tokens": 8, "max_completion_tokens": 4}"#,
+            false,
+        )
+        .unwrap_err();
+        assert_eq!(
+            e.param.as_deref(),
+            Some("max_completion_tokens"),
+            "{}",
+            e.message
+        );
+        assert!(e.message.contains("disagree"), "{}", e.message);
         // The neutral values of unimplemented fields pass; the largest seed does not wrap.
         let g = p(
             r#"{"prompt": "a", "presence_penalty": 0, "logit_bias": {}, "tools": [], "tool_choice": "none",
