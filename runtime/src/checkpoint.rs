@@ -22,8 +22,11 @@
 //! - dtypes BF16, F16 and F32 (converted to f32), and MXFP8 linears (issue 8 item 4): `F8_E4M3` codes `[.., K]`
 //!   with a sibling `U8` (E8M0) `<name>_scale` `[.., ceil(K / 32)]`, dequantized exactly by
 //!   [`crate::mxfp8::dequantize_stored`]; accepted where the plan's manifest says [`StorageForm::Mxfp8`] (the
-//!   compiler reads forms from the checkpoint's headers), refused otherwise like any form mismatch. MXFP8 with
-//!   other codes or scales, and FP8 block (`F8_E4M3` with `weight_scale_inv`), are refused by name for now.
+//!   compiler reads forms from the checkpoint's headers), refused otherwise like any form mismatch; and FP8
+//!   block-scaled tensors (the FP8 release's experts and PLE table): `F8_E4M3` codes `[.., R, C]` with a sibling F32
+//!   or BF16 `<name>_scale_inv` `[.., ceil(R / 128), ceil(C / 128)]`, converted by [`crate::fp8::dequantize_block`]
+//!   where the manifest says [`StorageForm::Fp8Block`]. MXFP8 or FP8 block with other codes or scales are refused
+//!   by name.
 //!
 //! `config.json` is not read here: the caller has validated it and compiled (or matched) the plan from it.
 //!
@@ -204,11 +207,17 @@ pub enum CheckpointError {
         /// What is accepted.
         expected: String,
     },
-    /// An FP8 block-scaled tensor (`F8_E4M3` with `weight_scale_inv`).
-    #[error("tensor {tensor} is stored as FP8 block (F8_E4M3 with weight_scale_inv), which this loader does not read yet")]
+    /// An FP8 block-scaled tensor in a form this loader does not read (codes other than `F8_E4M3`, scales other
+    /// than F32 or BF16 `[.., ceil(R / 128), ceil(C / 128)]`).
+    #[error(
+        "tensor {tensor} is stored as FP8 block with {why}, which this loader does not read (it reads F8_E4M3 codes \
+         [.., R, C] with F32 or BF16 scales [.., ceil(R/128), ceil(C/128)] in {tensor}_scale_inv)"
+    )]
     Fp8Block {
         /// The on-disk name.
         tensor: String,
+        /// What differs from the form read.
+        why: String,
     },
     /// An MXFP8 tensor in a form this loader does not read (codes other than `F8_E4M3`, scales other than `U8`
     /// `[.., ceil(K / 32)]`).
@@ -424,6 +433,89 @@ fn form_name(f: StorageForm) -> &'static str {
     }
 }
 
+/// A tensor stored in another form than the plan's manifest says: likely a plan compiled for another checkpoint.
+fn form_mismatch(disk: &str, found: impl Into<String>, entry: &WeightEntry) -> CheckpointError {
+    CheckpointError::Dtype {
+        tensor: disk.to_string(),
+        found: found.into(),
+        expected: format!(
+            "{} (the plan's manifest says {} is stored so: was the plan compiled for another checkpoint?)",
+            form_name(entry.form),
+            entry.name
+        ),
+    }
+}
+
+/// An FP8 form stored as `F8_E4M3` codes with a scale tensor beside them.
+struct ScaledForm {
+    /// The manifest's form for it.
+    form: StorageForm,
+    /// How a form mismatch names it.
+    label: &'static str,
+    /// The scale dtypes read.
+    scale_dtypes: &'static [Dtype],
+    /// The scales' shape for codes of a shape (`None`: too few dims).
+    scale_shape: fn(&[usize]) -> Option<Vec<usize>>,
+    /// The refusal naming the tensor and what differs.
+    refuse: fn(String, String) -> CheckpointError,
+}
+
+/// FP8 block: `<name>_scale_inv`, F32 or BF16, one per 128 x 128 block ([`crate::fp8`]).
+const FP8_BLOCK: ScaledForm = ScaledForm {
+    form: StorageForm::Fp8Block,
+    label: "FP8 block (F8_E4M3 with weight_scale_inv)",
+    scale_dtypes: &[Dtype::F32, Dtype::BF16],
+    scale_shape: crate::fp8::scale_shape,
+    refuse: |tensor, why| CheckpointError::Fp8Block { tensor, why },
+};
+
+/// MXFP8: `<name>_scale`, U8 (E8M0), one per 32 inputs ([`crate::mxfp8`]).
+const MXFP8: ScaledForm = ScaledForm {
+    form: StorageForm::Mxfp8,
+    label: "MXFP8 (F8_E4M3 with weight_scale)",
+    scale_dtypes: &[Dtype::U8],
+    scale_shape: |codes| {
+        let (k, lead) = codes.split_last()?;
+        let mut want = lead.to_vec();
+        want.push(crate::mxfp8::groups_per_row(*k));
+        Some(want)
+    },
+    refuse: |tensor, why| CheckpointError::Mxfp8 { tensor, why },
+};
+
+/// Checks an FP8 tensor and its scales against `f`, and that the manifest says `f.form` for it.
+fn check_scaled(
+    disk: &str,
+    view: &TensorView<'_>,
+    scale: &TensorView<'_>,
+    entry: &WeightEntry,
+    f: &ScaledForm,
+) -> Result<(), CheckpointError> {
+    let refuse = |why: String| Err((f.refuse)(disk.to_string(), why));
+    if view.dtype() != Dtype::F8_E4M3 {
+        return refuse(format!("{:?} codes", view.dtype()));
+    }
+    if !f.scale_dtypes.contains(&scale.dtype()) {
+        return refuse(format!("{:?} scales", scale.dtype()));
+    }
+    let codes = view.shape();
+    match (f.scale_shape)(codes) {
+        Some(want) if scale.shape() == want.as_slice() && !codes.contains(&0) => {}
+        want => {
+            return refuse(format!(
+                "scales of shape {:?} for codes of shape {codes:?} (expected {})",
+                scale.shape(),
+                want.map(|w| format!("{w:?}"))
+                    .unwrap_or_else(|| "codes of more dims".into())
+            ))
+        }
+    }
+    if entry.form != f.form {
+        return Err(form_mismatch(disk, f.label, entry));
+    }
+    Ok(())
+}
+
 /// Checks a float tensor's dtype: BF16, F16 or F32 are read; FP8 is refused by name.
 fn check_dtype(
     disk: &str,
@@ -434,60 +526,27 @@ fn check_dtype(
     match view.dtype() {
         Dtype::BF16 | Dtype::F16 | Dtype::F32 => {
             if matches!(entry.form, StorageForm::Fp8Block | StorageForm::Mxfp8) {
-                return Err(CheckpointError::Dtype {
-                    tensor: disk.to_string(),
-                    found: dtype_name(view.dtype()),
-                    expected: format!(
-                        "{} (the plan's manifest says {} is stored so: was the plan compiled for another checkpoint?)",
-                        form_name(entry.form),
-                        entry.name
-                    ),
-                });
+                return Err(form_mismatch(disk, dtype_name(view.dtype()), entry));
             }
             Ok(())
         }
         Dtype::F8_E4M3 | Dtype::F8_E5M2 if names.contains_key(&format!("{disk}_scale_inv")) => {
-            Err(CheckpointError::Fp8Block {
-                tensor: disk.to_string(),
-            })
+            check_scaled(
+                disk,
+                view,
+                &names[&format!("{disk}_scale_inv")].1,
+                entry,
+                &FP8_BLOCK,
+            )
         }
         Dtype::F8_E4M3 | Dtype::F8_E5M2 if names.contains_key(&format!("{disk}_scale")) => {
-            let scale = &names[&format!("{disk}_scale")].1;
-            let refuse = |why: String| {
-                Err(CheckpointError::Mxfp8 {
-                    tensor: disk.to_string(),
-                    why,
-                })
-            };
-            if view.dtype() != Dtype::F8_E4M3 {
-                return refuse(format!("{:?} codes", view.dtype()));
-            }
-            if scale.dtype() != Dtype::U8 {
-                return refuse(format!("{:?} scales", scale.dtype()));
-            }
-            let codes = view.shape();
-            let mut want = codes.to_vec();
-            if let Some(k) = want.last_mut() {
-                *k = crate::mxfp8::groups_per_row(*k);
-            }
-            if codes.is_empty() || scale.shape() != want.as_slice() {
-                return refuse(format!(
-                    "scales of shape {:?} for codes of shape {codes:?} (expected {want:?})",
-                    scale.shape()
-                ));
-            }
-            if entry.form != StorageForm::Mxfp8 {
-                return Err(CheckpointError::Dtype {
-                    tensor: disk.to_string(),
-                    found: "MXFP8 (F8_E4M3 with weight_scale)".into(),
-                    expected: format!(
-                        "{} (the plan's manifest says {} is stored so: was the plan compiled for another checkpoint?)",
-                        form_name(entry.form),
-                        entry.name
-                    ),
-                });
-            }
-            Ok(())
+            check_scaled(
+                disk,
+                view,
+                &names[&format!("{disk}_scale")].1,
+                entry,
+                &MXFP8,
+            )
         }
         other => Err(CheckpointError::Dtype {
             tensor: disk.to_string(),
@@ -501,16 +560,18 @@ fn check_dtype(
     }
 }
 
-/// The `U8` scale tensor of an MXFP8 tensor (`F8_E4M3` codes with a sibling `<name>_scale`), if `view` is one.
-fn mxfp8_scale<'a, 'b>(
+/// The scale tensor beside `F8_E4M3` codes: `<name>_scale_inv` for FP8 block, `<name>_scale` for MXFP8 (`suffix`),
+/// if `view` is such codes and has one.
+fn fp8_scale<'a, 'b>(
     disk_name: &str,
     view: &TensorView<'_>,
     disk: &'a BTreeMap<String, (usize, TensorView<'b>)>,
+    suffix: &str,
 ) -> Option<&'a (usize, TensorView<'b>)> {
     if view.dtype() != Dtype::F8_E4M3 {
         return None;
     }
-    disk.get(&format!("{disk_name}_scale"))
+    disk.get(&format!("{disk_name}{suffix}"))
 }
 
 /// Converts a BF16, F16 or F32 tensor's little-endian bytes to f32.
@@ -843,7 +904,9 @@ pub fn load_checkpoint(
             let (_, view) = &disk[disk_name];
             check_dtype(disk_name, view, entry, &disk)?;
             total_bytes += view.data().len() as u64;
-            if let Some((_, scale)) = mxfp8_scale(disk_name, view, &disk) {
+            if let Some((_, scale)) = fp8_scale(disk_name, view, &disk, "_scale")
+                .or_else(|| fp8_scale(disk_name, view, &disk, "_scale_inv"))
+            {
                 total_bytes += scale.data().len() as u64;
             }
         }
@@ -1028,7 +1091,7 @@ fn fill(
     for n in ordered {
         let view = &disk[n].1;
         let numel: usize = view.shape().iter().product();
-        if let Some((_, scale)) = mxfp8_scale(n, view, disk) {
+        if let Some((_, scale)) = fp8_scale(n, view, disk, "_scale") {
             let cols = view.shape().last().copied().unwrap_or(1);
             let values = crate::mxfp8::dequantize_stored(
                 view.data(),
@@ -1036,6 +1099,14 @@ fn fill(
                 numel / cols.max(1),
                 cols,
             );
+            out[at..at + numel].copy_from_slice(&values);
+            bar.inc(scale.data().len() as u64);
+        } else if let Some((_, scale)) = fp8_scale(n, view, disk, "_scale_inv") {
+            let shape = view.shape();
+            let (rows, cols) = (shape[shape.len() - 2], shape[shape.len() - 1]);
+            let mut scales = vec![0f32; scale.shape().iter().product()];
+            convert(scale.data(), scale.dtype(), &mut scales);
+            let values = crate::fp8::dequantize_block(view.data(), &scales, rows, cols);
             out[at..at + numel].copy_from_slice(&values);
             bar.inc(scale.data().len() as u64);
         } else {

@@ -10,6 +10,7 @@ pub mod copy_index;
 pub mod cpu;
 pub mod cuda;
 pub mod engine;
+pub mod fp8;
 pub mod mxfp8;
 pub mod sampler;
 pub mod server;

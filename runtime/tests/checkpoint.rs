@@ -368,10 +368,11 @@ fn wrong_dtype_is_refused() {
 fn fp8_and_mxfp8_are_refused_by_name() {
     let Some(src) = tiny() else { return };
     let body = plan();
-    // FP8 block is refused by name; MXFP8 is read, but only where the plan's manifest says MXFP8 (the committed
-    // plan says BF16), so here it is refused as a form mismatch, naming the form.
+    // FP8 block with U8 scales is refused by name (it reads F32 or BF16 scales); MXFP8 is read, but only where the
+    // plan's manifest says MXFP8 (the committed plan says BF16), so here it is refused as a form mismatch, naming
+    // the form.
     for (suffix, words, why) in [
-        ("_scale_inv", "FP8 block", "does not read yet"),
+        ("_scale_inv", "FP8 block", "with U8 scales"),
         ("_scale", "MXFP8", "the plan's manifest says"),
     ] {
         let dir = copy_of(&src);
@@ -488,6 +489,124 @@ fn mxfp8_with_bad_scales_is_refused_by_name() {
         let msg = refusal(dir.path(), &body);
         assert!(
             msg.contains(&format!("tensor {name} is stored as MXFP8 with")) && msg.contains(why),
+            "{msg}"
+        );
+    }
+}
+
+/// Stores `name` (a tensor `[.., R, C]`) as FP8 block: F8_E4M3 codes (every finite code, spread by a hash) plus F32
+/// `<name>_scale_inv` `[.., ceil(R/128), ceil(C/128)]` (scales that are not powers of two, so each product rounds);
+/// returns the values the stored form represents, by `fp8::dequantize_block` (whose values its unit test checks
+/// against E4M3's definition; here the loader's reading of shapes, stacks and scales is under test).
+fn store_as_fp8_block(dir: &Path, name: &str) -> Vec<f32> {
+    let mut values = Vec::new();
+    edit_shard(dir, name, |ts| {
+        let t = ts.iter_mut().find(|t| t.name == name).unwrap();
+        let n = t.shape.len();
+        let (rows, cols) = (t.shape[n - 2], t.shape[n - 1]);
+        let batch = t.shape[..n - 2].iter().product::<usize>();
+        let (br, bc) = (rows.div_ceil(128), cols.div_ceil(128));
+        let finite: Vec<u8> = (0..=255u8).filter(|q| q & 0x7F != 0x7F).collect();
+        let codes: Vec<u8> = (0..batch * rows * cols)
+            .map(|i| finite[(i * 2654435761) % finite.len()])
+            .collect();
+        let scales: Vec<f32> = (0..batch * br * bc)
+            .map(|i| 1e-3 * (1.0 + 0.37 * i as f32))
+            .collect();
+        values = flashplan_runtime::fp8::dequantize_block(&codes, &scales, rows, cols);
+        t.dtype = Dtype::F8_E4M3;
+        t.data = codes;
+        let mut sshape = t.shape.clone();
+        sshape[n - 2] = br;
+        sshape[n - 1] = bc;
+        ts.push(T {
+            name: format!("{name}_scale_inv"),
+            dtype: Dtype::F32,
+            shape: sshape,
+            data: scales.iter().flat_map(|s| s.to_le_bytes()).collect(),
+        });
+    });
+    values
+}
+
+#[test]
+fn fp8_block_tensors_load_as_code_times_scale() {
+    use flashplan_plan::StorageForm;
+    let Some(src) = tiny() else { return };
+    let mut body = plan();
+    let dir = copy_of(&src);
+    // Stacked experts (8 matrices of 256 x 256, 2 x 2 blocks each) and a plain linear.
+    let names = [
+        "mtp.layers.0.mlp.experts.gate_up_proj",
+        "model.layers.3.self_attn.o_proj.weight",
+    ];
+    let mut want = Vec::new();
+    for n in names {
+        want.push(store_as_fp8_block(dir.path(), n));
+        let canonical = n.strip_prefix("model.").unwrap_or(n);
+        let i = body.weight_index(canonical).unwrap();
+        body.weights[i].form = StorageForm::Fp8Block;
+    }
+    let w = load(dir.path(), &body).expect("FP8 block tensors load");
+    for (n, v) in names.iter().zip(&want) {
+        let canonical = n.strip_prefix("model.").unwrap_or(n);
+        let got = get(&w, &body, canonical);
+        assert_eq!(got.len(), v.len(), "{n}");
+        assert!(
+            got.iter().zip(v).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{n}: a value differs from code x scale"
+        );
+    }
+    // Everything else loads as before.
+    let plain = load(&src, &plan()).unwrap();
+    let other = "mtp.layers.0.mlp.experts.down_proj";
+    assert_eq!(get(&w, &body, other), get(&plain, &body, other));
+    // Where the manifest says BF16 (a plan compiled for another checkpoint), the stored form is refused by name.
+    let msg = refusal(dir.path(), &plan());
+    assert!(
+        msg.contains("is stored as FP8 block (F8_E4M3 with weight_scale_inv)")
+            && msg.contains("was the plan compiled for another checkpoint?"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn fp8_block_with_bad_scales_is_refused_by_name() {
+    use flashplan_plan::StorageForm;
+    let Some(src) = tiny() else { return };
+    let mut body = plan();
+    let name = "mtp.layers.0.self_attn.o_proj.weight";
+    let i = body.weight_index(name).unwrap();
+    body.weights[i].form = StorageForm::Fp8Block;
+    for (edit, why) in [
+        (0, "scales of shape"),
+        (1, "U16 scales"),
+        (2, "F8_E5M2 codes"),
+    ] {
+        let dir = copy_of(&src);
+        store_as_fp8_block(dir.path(), name);
+        edit_shard(dir.path(), name, |ts| match edit {
+            0 => {
+                let s = ts
+                    .iter_mut()
+                    .find(|t| t.name.ends_with("_scale_inv"))
+                    .unwrap();
+                s.shape = vec![s.shape[0] * s.shape[1], 1];
+            }
+            1 => {
+                let s = ts
+                    .iter_mut()
+                    .find(|t| t.name.ends_with("_scale_inv"))
+                    .unwrap();
+                s.dtype = Dtype::U16;
+                s.shape[1] *= 2;
+            }
+            _ => ts.iter_mut().find(|t| t.name == name).unwrap().dtype = Dtype::F8_E5M2,
+        });
+        let msg = refusal(dir.path(), &body);
+        assert!(
+            msg.contains(&format!("tensor {name} is stored as FP8 block with"))
+                && msg.contains(why),
             "{msg}"
         );
     }
