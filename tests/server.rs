@@ -197,6 +197,49 @@ fn stop_string_ends_the_text_before_it() {
 }
 
 #[test]
+fn a_stop_token_id_ends_the_reply_without_its_text() {
+    // As a stop string: the token counts (ids, so usage and token_sha) and its text is left out.
+    use flashplan_runtime::service::{GenRequest, StreamEvent};
+    let service = tiny_service();
+    let tok = service.tokenizer.clone();
+    let run = |stop_token_ids: Vec<u32>| -> (String, Vec<u32>) {
+        let request = flashplan_runtime::engine::Request {
+            prompt: tok.encode(PROMPT, true).expect("encodes"),
+            max_tokens: 24,
+            sampling: flashplan_plan::SamplingParams::greedy(),
+            stop_token_ids,
+            ignore_eos: true,
+            draft: true,
+        };
+        let mut rx = service
+            .submit_blocking(GenRequest {
+                request,
+                stop: vec![],
+            })
+            .expect("submit");
+        let (mut text, mut ids) = (String::new(), vec![]);
+        while let Some(ev) = rx.blocking_recv() {
+            match ev {
+                StreamEvent::Text { text: t, .. } => text.push_str(&t),
+                StreamEvent::Done(c) => ids = c.token_ids,
+                StreamEvent::Error(e) => panic!("{e}"),
+            }
+        }
+        (text, ids)
+    };
+    let (_, full) = run(vec![]);
+    // A token from the reply's second half that does not occur before it, with text of its own.
+    let k = (full.len() / 2..full.len())
+        .find(|&k| {
+            !full[..k].contains(&full[k]) && !tok.decode(&full[k..=k], true).unwrap().is_empty()
+        })
+        .expect("a fresh token in the reply's second half");
+    let (text, ids) = run(vec![full[k]]);
+    assert_eq!(ids, full[..=k].to_vec());
+    assert_eq!(text, tok.decode(&full[..k], true).unwrap());
+}
+
+#[test]
 fn bad_requests_get_400_naming_the_problem() {
     let long: Vec<u32> = vec![5; 600];
     for (body, param, words) in [
@@ -395,6 +438,27 @@ fn models_health_metrics_tokenize() {
     let bad = post("/detokenize", &json!({"tokens": [1 << 30]}).to_string());
     assert_eq!(bad.status, 400, "{}", bad.body);
     assert_eq!(bad.json()["error"]["code"], "invalid_token_id");
+    // Unknown fields are refused by name, as on the generation endpoints.
+    for (path, body) in [
+        ("/tokenize", json!({"prompt": "x", "foo": 1})),
+        ("/detokenize", json!({"tokens": [1], "foo": 1})),
+    ] {
+        let r = post(path, &body.to_string());
+        assert_eq!(r.status, 400, "{path}: {}", r.body);
+        assert_eq!(r.json()["error"]["param"], "foo", "{path}");
+    }
+    // A text certainly longer than the context is refused without being encoded whole.
+    let long = "word ".repeat(400_000);
+    let r = post("/tokenize", &json!({ "prompt": long }).to_string());
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(r.json()["error"]["code"], "context_length_exceeded");
+    // The `openai` client's models.retrieve: the served model, else a 404.
+    let one = client::request(server(), "GET", "/v1/models/flashnext-tiny", None).unwrap();
+    assert_eq!(one.status, 200, "{}", one.body);
+    assert_eq!(one.json()["id"], "flashnext-tiny");
+    let none = client::request(server(), "GET", "/v1/models/other", None).unwrap();
+    assert_eq!(none.status, 404, "{}", none.body);
+    assert_eq!(none.json()["error"]["code"], "model_not_found");
 }
 
 #[test]

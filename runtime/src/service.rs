@@ -310,6 +310,8 @@ enum Cmd {
 
 struct Live {
     text: TextStream,
+    /// The request's `stop_token_ids`: the token that ends the reply so adds no text.
+    stop_ids: Vec<u32>,
     events: tmpsc::UnboundedSender<StreamEvent>,
     prompt_tokens: u32,
     submitted: Instant,
@@ -456,7 +458,12 @@ fn on_token(streams: &Streams, tok: &Tokenizer, m: &Metrics, id: u64, t: u32) ->
         s.first_token = true;
         m.ttft.observe(s.submitted.elapsed().as_secs_f64());
     }
-    let delta = match s.text.push(tok, t) {
+    let pushed = if s.stop_ids.contains(&t) {
+        s.text.push_stop_token(tok, t)
+    } else {
+        s.text.push(tok, t)
+    };
+    let delta = match pushed {
         Ok(d) => d,
         Err(e) => {
             s.error = Some(e.to_string());
@@ -514,6 +521,7 @@ fn engine_loop<B: Backend>(
                 Cmd::Submit { req, events, reply } => {
                     let GenRequest { request, stop } = *req;
                     let prompt_tokens = request.prompt.len() as u32;
+                    let stop_ids = request.stop_token_ids.clone();
                     match engine.submit(request) {
                         Ok(id) => {
                             m.requests.fetch_add(1, Ordering::Relaxed);
@@ -523,6 +531,7 @@ fn engine_loop<B: Backend>(
                                 id,
                                 Live {
                                     text: TextStream::new(stop),
+                                    stop_ids,
                                     events,
                                     prompt_tokens,
                                     submitted: Instant::now(),

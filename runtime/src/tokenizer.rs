@@ -69,6 +69,34 @@ pub struct ChatMessage {
     pub content: String,
 }
 
+/// Bytes of text a piece of [`Tokenizer::exceeds`] holds, about.
+pub const COUNT_PIECE: usize = 64 << 10;
+/// Tokens a cut between two pieces may add in [`Tokenizer::exceeds`] (a word cut in two encodes to a few more).
+pub const CUT_MARGIN: usize = 8;
+
+/// The end of the piece of [`Tokenizer::exceeds`] that starts at `start`: the first place from `start +
+/// COUNT_PIECE` on (within 4 KB) that follows a line break or precedes a space before a letter, else the next
+/// character boundary; the text's end when less than a piece is left.
+fn piece_end(text: &str, start: usize) -> usize {
+    let target = start + COUNT_PIECE;
+    if target >= text.len() {
+        return text.len();
+    }
+    let b = text.as_bytes();
+    let limit = (target + 4096).min(text.len() - 1);
+    for i in target..limit {
+        let after_break = b[i - 1] == b'\n' && !b[i].is_ascii_whitespace();
+        let before_word =
+            b[i] == b' ' && !b[i - 1].is_ascii_whitespace() && b[i + 1].is_ascii_alphabetic();
+        if after_break || before_word {
+            return i;
+        }
+    }
+    (target..text.len())
+        .find(|&i| text.is_char_boundary(i))
+        .unwrap_or(text.len())
+}
+
 /// The JSON type of `v`, for messages.
 fn json_type(v: &serde_json::Value) -> &'static str {
     match v {
@@ -236,6 +264,33 @@ impl Tokenizer {
             .encode(text, add_special_tokens)
             .map(|e| e.get_ids().to_vec())
             .map_err(|e| TokenizerError::Codec(e.to_string()))
+    }
+
+    /// Whether `text` certainly encodes to more than `limit` tokens, found without encoding it whole: it is encoded
+    /// in pieces of about [`COUNT_PIECE`] bytes, each ending where a pre-tokenizer splits (before a space that
+    /// starts a word, or after a line break), or, in a run with no such place, at a character boundary, and the
+    /// answer is yes once the pieces' tokens pass `limit` plus [`CUT_MARGIN`] a cut (a cut inside a word can add a
+    /// few tokens). Encoding a text of tens of megabytes whole takes gigabytes (about 190 bytes a byte of input with
+    /// the Qwen vocabulary); this reads a few pieces past `limit`'s worth. `false` for a text of one piece or less
+    /// (encode it whole).
+    ///
+    /// # Errors
+    /// [`TokenizerError::Codec`] from a piece.
+    pub fn exceeds(&self, text: &str, limit: usize) -> Result<bool, TokenizerError> {
+        if text.len() <= COUNT_PIECE {
+            return Ok(false);
+        }
+        let (mut start, mut count, mut cuts) = (0usize, 0usize, 0usize);
+        while start < text.len() {
+            let end = piece_end(text, start);
+            count += self.encode(&text[start..end], false)?.len();
+            cuts += usize::from(end < text.len());
+            if count > limit + CUT_MARGIN * cuts {
+                return Ok(true);
+            }
+            start = end;
+        }
+        Ok(false)
     }
 
     /// Decodes ids to text (lossy for incomplete UTF-8); `skip_special` leaves out special tokens.
@@ -445,6 +500,28 @@ impl TextStream {
         let piece = self.detok.flush(tok)?;
         self.text.push_str(&piece);
         Ok(self.advance(true).text)
+    }
+
+    /// Adds a reply's last token when it is one of the request's `stop_token_ids`: counted in [`TextStream::ids`]
+    /// (so in `usage` and `token_sha`) but left out of the text, as a stop string is; returns the text still held
+    /// back, and the stream is stopped. After a stop string it does nothing, as [`TextStream::push`].
+    ///
+    /// # Errors
+    /// [`TokenizerError::Codec`].
+    pub fn push_stop_token(
+        &mut self,
+        tok: &Tokenizer,
+        id: u32,
+    ) -> Result<TextDelta, TokenizerError> {
+        let text = self.finish(tok)?;
+        if !self.stopped {
+            self.detok.ids.push(id);
+            self.stopped = true;
+        }
+        Ok(TextDelta {
+            text,
+            stopped: true,
+        })
     }
 
     /// The reply's full text so far (what was sent plus what is held back; past a stop, up to the stop).
@@ -775,6 +852,27 @@ mod tests {
                 "{config}: {e:?}"
             );
         }
+    }
+
+    #[test]
+    fn a_long_text_is_found_too_long_in_pieces_and_never_wrongly() {
+        // Code with line breaks and spaces, a run of CJK with neither (cut at character boundaries), and a run of
+        // letters: each is never found longer than its whole encoding (no false refusal), and is found longer than
+        // half of it.
+        let t = tiny();
+        let code: String = (0..12_000)
+            .map(|i| format!("    value_{i} = compute(value_{}, {i}) + 1\n", i / 2))
+            .collect();
+        let cjk = "日本語のテキスト、漢字と仮名。".repeat(8_000);
+        let letters = "abcdefghij".repeat(30_000);
+        for text in [code, cjk, letters] {
+            assert!(text.len() > 3 * COUNT_PIECE, "{} bytes", text.len());
+            let whole = t.encode(&text, false).unwrap().len();
+            assert!(!t.exceeds(&text, whole).unwrap(), "{whole} tokens");
+            assert!(t.exceeds(&text, whole / 2).unwrap(), "{whole} tokens");
+        }
+        // One piece or less is left to the whole encoding.
+        assert!(!t.exceeds("def f(x):", 0).unwrap());
     }
 
     #[test]

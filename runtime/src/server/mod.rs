@@ -74,6 +74,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/tokenize", post(tokenize))
@@ -450,24 +451,48 @@ fn served_model(state: &AppState, model: Option<&str>) -> Result<(), ApiError> {
     }
 }
 
+/// Encodes a prompt's text, first refusing one that certainly has more tokens than the context holds
+/// ([`Tokenizer::exceeds`]): such a text, up to the 64 MB a body may carry, would otherwise be encoded whole, taking
+/// gigabytes, only to be refused.
+///
+/// # Errors
+/// 400 `context_length_exceeded` naming `param`; 400 when the tokenizer fails.
+fn encode_within(
+    tok: &crate::tokenizer::Tokenizer,
+    text: &str,
+    add_special: bool,
+    param: &str,
+    context: u64,
+) -> Result<Vec<u32>, ApiError> {
+    let codec = |e: crate::tokenizer::TokenizerError| ApiError::invalid(Some(param), e.to_string());
+    if tok.exceeds(text, context as usize).map_err(codec)? {
+        return Err(ApiError::invalid(
+            Some(param),
+            format!(
+                "the prompt is too long: more than the context's {context} tokens ({} bytes of text)",
+                text.len()
+            ),
+        )
+        .code("context_length_exceeded"));
+    }
+    tok.encode(text, add_special).map_err(codec)
+}
+
 /// Tokenizes the prompt and builds the engine request.
 fn build(state: &AppState, p: &GenParams, chat: bool) -> Result<GenRequest, ApiError> {
     served_model(state, p.model.as_deref())?;
     let tok = &state.service.tokenizer;
+    let info = &state.service.info;
     let ids = match &p.prompt {
         Prompt::Ids(ids) => ids.clone(),
-        Prompt::Text(t) => tok
-            .encode(t, true)
-            .map_err(|e| ApiError::invalid(Some("prompt"), e.to_string()))?,
+        Prompt::Text(t) => encode_within(tok, t, true, "prompt", info.context)?,
         Prompt::Chat(msgs) => {
             let text = tok
                 .apply_chat_template(msgs, true)
                 .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?;
-            tok.encode(&text, false)
-                .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?
+            encode_within(tok, &text, false, "messages", info.context)?
         }
     };
-    let info = &state.service.info;
     let param = if chat { "messages" } else { "prompt" };
     if ids.is_empty() {
         return Err(ApiError::invalid(Some(param), "the prompt is empty").code("empty_prompt"));
@@ -718,17 +743,49 @@ fn sse_response(
     Sse::new(s)
 }
 
+/// Refuses a field of a `/tokenize` or `/detokenize` body other than `known`, naming it, as the generation
+/// endpoints refuse theirs.
+///
+/// # Errors
+/// 400 `unsupported_parameter` naming the field.
+fn only_fields(m: &serde_json::Map<String, Value>, known: &[&str]) -> Result<(), ApiError> {
+    match m.keys().find(|k| !known.contains(&k.as_str())) {
+        None => Ok(()),
+        Some(k) => Err(ApiError::invalid(
+            Some(k),
+            format!(
+                "`{k}` is not a field of this endpoint (it takes {})",
+                known.join(", ")
+            ),
+        )
+        .code("unsupported_parameter")),
+    }
+}
+
+/// The served model as OpenAI's model object.
+fn model_object(state: &AppState) -> Value {
+    json!({
+        "id": state.model_name,
+        "object": "model",
+        "created": now(),
+        "owned_by": "flashplan",
+        "max_model_len": state.service.info.context,
+    })
+}
+
 async fn models(State(state): State<AppState>) -> Json<Value> {
-    Json(json!({
-        "object": "list",
-        "data": [{
-            "id": state.model_name,
-            "object": "model",
-            "created": now(),
-            "owned_by": "flashplan",
-            "max_model_len": state.service.info.context,
-        }],
-    }))
+    Json(json!({"object": "list", "data": [model_object(&state)]}))
+}
+
+/// `GET /v1/models/{id}` (the `openai` client's `models.retrieve`): the served model, or 404 `model_not_found`.
+async fn model(
+    State(state): State<AppState>,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Response {
+    match served_model(&state, Some(&id)) {
+        Ok(()) => Json(model_object(&state)).into_response(),
+        Err(e) => e.into_response(),
+    }
 }
 
 async fn health(State(state): State<AppState>) -> Response {
@@ -757,8 +814,19 @@ async fn metrics(State(state): State<AppState>) -> Response {
 async fn tokenize(State(state): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
     let run = move || -> Result<Value, ApiError> {
         let m = parse_object(&read_body(body)?)?;
+        only_fields(
+            &m,
+            &[
+                "model",
+                "prompt",
+                "messages",
+                "add_special_tokens",
+                "add_generation_prompt",
+            ],
+        )?;
         served_model(&state, api::model_field(&m)?.as_deref())?;
         let tok = &state.service.tokenizer;
+        let context = state.service.info.context;
         let ids = if m.contains_key("messages") {
             let Prompt::Chat(msgs) = api::parse_messages(&m)? else {
                 return Err(ApiError::internal("unreachable"));
@@ -767,14 +835,12 @@ async fn tokenize(State(state): State<AppState>, body: Result<Bytes, BytesReject
             let text = tok
                 .apply_chat_template(&msgs, add)
                 .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?;
-            tok.encode(&text, false)
-                .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?
+            encode_within(tok, &text, false, "messages", context)?
         } else {
             match m.get("prompt") {
                 Some(Value::String(s)) => {
                     let add = api::boolean(&m, "add_special_tokens")?.unwrap_or(true);
-                    tok.encode(s, add)
-                        .map_err(|e| ApiError::invalid(Some("prompt"), e.to_string()))?
+                    encode_within(tok, s, add, "prompt", context)?
                 }
                 Some(v) => {
                     return Err(ApiError::invalid(
@@ -804,6 +870,7 @@ async fn detokenize(
 ) -> Response {
     let run = move || -> Result<Value, ApiError> {
         let m = parse_object(&read_body(body)?)?;
+        only_fields(&m, &["model", "tokens"])?;
         served_model(&state, api::model_field(&m)?.as_deref())?;
         let ids = match m.get("tokens") {
             Some(Value::Array(a)) => api::token_ids("tokens", a)?,
