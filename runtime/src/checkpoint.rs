@@ -530,6 +530,17 @@ fn check_dtype(
             }
             Ok(())
         }
+        Dtype::F8_E4M3 | Dtype::F8_E5M2
+            if names.contains_key(&format!("{disk}_scale_inv"))
+                && names.contains_key(&format!("{disk}_scale")) =>
+        {
+            Err(CheckpointError::Fp8Block {
+                tensor: disk.to_string(),
+                why: format!(
+                    "both {disk}_scale_inv (FP8 block) and {disk}_scale (MXFP8) beside it"
+                ),
+            })
+        }
         Dtype::F8_E4M3 | Dtype::F8_E5M2 if names.contains_key(&format!("{disk}_scale_inv")) => {
             check_scaled(
                 disk,

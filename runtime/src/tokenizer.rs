@@ -513,8 +513,11 @@ impl TextStream {
         tok: &Tokenizer,
         id: u32,
     ) -> Result<TextDelta, TokenizerError> {
+        // Counted unless a stop string already ended the reply; one that the held-back text completes now ends it
+        // at this token, which therefore counts.
+        let stopped_before = self.stopped;
         let text = self.finish(tok)?;
-        if !self.stopped {
+        if !stopped_before {
             self.detok.ids.push(id);
             self.stopped = true;
         }

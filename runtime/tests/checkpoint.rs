@@ -494,11 +494,12 @@ fn mxfp8_with_bad_scales_is_refused_by_name() {
     }
 }
 
-/// Stores `name` (a tensor `[.., R, C]`) as FP8 block: F8_E4M3 codes (every finite code, spread by a hash) plus F32
-/// `<name>_scale_inv` `[.., ceil(R/128), ceil(C/128)]` (scales that are not powers of two, so each product rounds);
+/// Stores `name` (a tensor `[.., R, C]`) as FP8 block: F8_E4M3 codes (every finite code, spread by a hash) plus
+/// `<name>_scale_inv` `[.., ceil(R/128), ceil(C/128)]` of `scale_dtype` (F32 or BF16; scales that are not powers of
+/// two, so each product rounds, each block's its own);
 /// returns the values the stored form represents, by `fp8::dequantize_block` (whose values its unit test checks
 /// against E4M3's definition; here the loader's reading of shapes, stacks and scales is under test).
-fn store_as_fp8_block(dir: &Path, name: &str) -> Vec<f32> {
+fn store_as_fp8_block(dir: &Path, name: &str, scale_dtype: Dtype) -> Vec<f32> {
     let mut values = Vec::new();
     edit_shard(dir, name, |ts| {
         let t = ts.iter_mut().find(|t| t.name == name).unwrap();
@@ -510,8 +511,16 @@ fn store_as_fp8_block(dir: &Path, name: &str) -> Vec<f32> {
         let codes: Vec<u8> = (0..batch * rows * cols)
             .map(|i| finite[(i * 2654435761) % finite.len()])
             .collect();
+        let bf16 = scale_dtype == Dtype::BF16;
         let scales: Vec<f32> = (0..batch * br * bc)
             .map(|i| 1e-3 * (1.0 + 0.37 * i as f32))
+            .map(|s| {
+                if bf16 {
+                    half::bf16::from_f32(s).to_f32()
+                } else {
+                    s
+                }
+            })
             .collect();
         values = flashplan_runtime::fp8::dequantize_block(&codes, &scales, rows, cols);
         t.dtype = Dtype::F8_E4M3;
@@ -521,9 +530,16 @@ fn store_as_fp8_block(dir: &Path, name: &str) -> Vec<f32> {
         sshape[n - 1] = bc;
         ts.push(T {
             name: format!("{name}_scale_inv"),
-            dtype: Dtype::F32,
+            dtype: scale_dtype,
             shape: sshape,
-            data: scales.iter().flat_map(|s| s.to_le_bytes()).collect(),
+            data: if bf16 {
+                scales
+                    .iter()
+                    .flat_map(|&s| half::bf16::from_f32(s).to_le_bytes())
+                    .collect()
+            } else {
+                scales.iter().flat_map(|s| s.to_le_bytes()).collect()
+            },
         });
     });
     values
@@ -542,7 +558,7 @@ fn fp8_block_tensors_load_as_code_times_scale() {
     ];
     let mut want = Vec::new();
     for n in names {
-        want.push(store_as_fp8_block(dir.path(), n));
+        want.push(store_as_fp8_block(dir.path(), n, Dtype::F32));
         let canonical = n.strip_prefix("model.").unwrap_or(n);
         let i = body.weight_index(canonical).unwrap();
         body.weights[i].form = StorageForm::Fp8Block;
@@ -571,6 +587,43 @@ fn fp8_block_tensors_load_as_code_times_scale() {
 }
 
 #[test]
+fn fp8_block_expert_pieces_with_bf16_scales_stack_as_their_values() {
+    // The real release's layout: per-expert gate and up pieces (128 x 256 here: a 1 x 2 grid, not square, so rows
+    // and columns cannot be swapped unseen), each with its own BF16 scales, stacked expert by expert, gate rows then
+    // up rows; and a stacked down `[E, 256, 128]` (2 x 1 grids) with F32 scales.
+    use flashplan_plan::StorageForm;
+    let Some(src) = tiny() else { return };
+    let mut body = plan();
+    let dir = copy_of(&src);
+    let gate_up = "layers.0.mlp.experts.gate_up_proj";
+    let i = body.weight_index(gate_up).unwrap();
+    body.weights[i].form = StorageForm::Fp8Block;
+    let experts = body.weights[i].shape[0] as usize;
+    let mut want = Vec::new();
+    for e in 0..experts {
+        for part in ["gate", "up"] {
+            let name = format!("model.layers.0.mlp.experts.{e}.{part}_proj.weight");
+            want.extend(store_as_fp8_block(dir.path(), &name, Dtype::BF16));
+        }
+    }
+    let down = "mtp.layers.0.mlp.experts.down_proj";
+    let want_down = store_as_fp8_block(dir.path(), down, Dtype::F32);
+    let j = body.weight_index(down).unwrap();
+    body.weights[j].form = StorageForm::Fp8Block;
+    let w = load(dir.path(), &body).expect("FP8 block pieces load");
+    for (name, v) in [(gate_up, &want), (down, &want_down)] {
+        let got = get(&w, &body, name);
+        assert_eq!(got.len(), v.len(), "{name}");
+        assert!(
+            got.iter()
+                .zip(v.iter())
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{name}: a value differs from code x scale"
+        );
+    }
+}
+
+#[test]
 fn fp8_block_with_bad_scales_is_refused_by_name() {
     use flashplan_plan::StorageForm;
     let Some(src) = tiny() else { return };
@@ -582,9 +635,13 @@ fn fp8_block_with_bad_scales_is_refused_by_name() {
         (0, "scales of shape"),
         (1, "U16 scales"),
         (2, "F8_E5M2 codes"),
+        (
+            3,
+            "and mtp.layers.0.self_attn.o_proj.weight_scale (MXFP8) beside it",
+        ),
     ] {
         let dir = copy_of(&src);
-        store_as_fp8_block(dir.path(), name);
+        store_as_fp8_block(dir.path(), name, Dtype::F32);
         edit_shard(dir.path(), name, |ts| match edit {
             0 => {
                 let s = ts
@@ -601,7 +658,18 @@ fn fp8_block_with_bad_scales_is_refused_by_name() {
                 s.dtype = Dtype::U16;
                 s.shape[1] *= 2;
             }
-            _ => ts.iter_mut().find(|t| t.name == name).unwrap().dtype = Dtype::F8_E5M2,
+            2 => ts.iter_mut().find(|t| t.name == name).unwrap().dtype = Dtype::F8_E5M2,
+            _ => {
+                // MXFP8 scales too: which form it is would be a guess.
+                let t = ts.iter().find(|t| t.name == name).unwrap();
+                let (rows, cols) = (t.shape[0], t.shape[1]);
+                ts.push(T {
+                    name: format!("{name}_scale"),
+                    dtype: Dtype::U8,
+                    shape: vec![rows, cols / 32],
+                    data: vec![127; rows * cols / 32],
+                });
+            }
         });
         let msg = refusal(dir.path(), &body);
         assert!(
