@@ -121,10 +121,13 @@ pub fn gpu_arch() -> Result<(String, String), String> {
 pub const DEFAULT_CONTEXT: u64 = 32768;
 
 /// Plans for `model`: `plans` when given, else the cache entry keyed by config, arch, options and compiler
-/// version, compiled (with a progress bar) when missing.
+/// version, compiled (with a progress bar) when missing. Given plans are refused first when `context` (the
+/// `--context` asked for) differs from theirs, before their arch is checked, so that a CUDA attempt's fallback to
+/// the CPU meets the same refusal and says it.
 pub fn plans_for(
     model: &Path,
     plans: Option<&Path>,
+    context: Option<u64>,
     opts: &CompileOptions,
 ) -> anyhow::Result<PlanSet> {
     let cfg_path = model.join("config.json");
@@ -135,6 +138,14 @@ pub fn plans_for(
     if let Some(p) = plans {
         let file = flashplan_compiler::inspect::plan_file(p)?;
         let set = PlanSet::read(&file).with_context(|| format!("reading {}", file.display()))?;
+        let theirs = set.body.options.context;
+        if let Some(c) = context.filter(|&c| c != theirs) {
+            anyhow::bail!(
+                "--context {c}: the plans {} were compiled for a context of {theirs} tokens (compile plans for {c} \
+                 with `flashplan compile --context {c}`, or leave --plans out to compile them into the cache)",
+                file.display()
+            );
+        }
         set.check_matches(&cfg, &opts.arch, None)
             .with_context(|| format!("{} does not fit {}", file.display(), model.display()))?;
         return Ok(set);
@@ -232,8 +243,7 @@ pub fn make_backend(
 /// present and the plans can be built for it (NVRTC, or the kernel cache `$FLASHPLAN_KERNEL_CACHE`, by default
 /// `<cache>/../kernels`, filled on a machine with NVRTC), else the CPU backend; the choice and any reason for
 /// falling back are printed on stderr. `copts.arch` is ignored (the backend decides it). `context`, the
-/// `--context` asked for, is checked against given plans first, so that a mismatch is said as such and never
-/// read as a reason to fall back from CUDA to the CPU.
+/// `--context` asked for, is checked against given plans ([`plans_for`]).
 pub fn load_backend(
     model: &Path,
     plans: Option<&Path>,
@@ -241,17 +251,6 @@ pub fn load_backend(
     copts: &CompileOptions,
     form: flashplan_plan::DrafterForm,
 ) -> anyhow::Result<(Box<dyn Backend>, bool, String)> {
-    if let (Some(p), Some(c)) = (plans, context) {
-        let file = flashplan_compiler::inspect::plan_file(p)?;
-        let set = PlanSet::read(&file).with_context(|| format!("reading {}", file.display()))?;
-        let theirs = set.body.options.context;
-        anyhow::ensure!(
-            c == theirs,
-            "--context {c}: the plans {} were compiled for a context of {theirs} tokens (compile plans for {c} \
-             with `flashplan compile --context {c}`, or leave --plans out to compile them into the cache)",
-            file.display()
-        );
-    }
     let choice = backend_choice()?;
     let mut why_cpu = String::from("FLASHPLAN_BACKEND=cpu");
     if choice != BackendChoice::Cpu {
@@ -267,8 +266,8 @@ pub fn load_backend(
                 }
                 let mut o = copts.clone();
                 o.arch = arch;
-                let got =
-                    plans_for(model, plans, &o).and_then(|set| make_backend(model, set.body, form));
+                let got = plans_for(model, plans, context, &o)
+                    .and_then(|set| make_backend(model, set.body, form));
                 match got {
                     Ok(b) => {
                         eprintln!("backend: {}", b.2);
@@ -285,7 +284,7 @@ pub fn load_backend(
     eprintln!("backend: running on the CPU backend ({why_cpu})");
     let mut o = copts.clone();
     o.arch = flashplan_compiler::default_arch().to_string();
-    let set = plans_for(model, plans, &o)?;
+    let set = plans_for(model, plans, context, &o)?;
     make_backend(model, set.body, form)
 }
 

@@ -186,6 +186,12 @@ impl ReplyStats {
     }
 }
 
+/// The most reply tokens that fit after a prompt of `prompt` tokens in a context of `context`, which also keeps
+/// one verify window (`max_depth + 1` rows) past the reply; 0 when the prompt alone does not fit.
+pub fn reply_room(context: u64, prompt: usize, max_depth: u32) -> u64 {
+    context.saturating_sub(prompt as u64 + max_depth as u64 + 1)
+}
+
 /// Identifies a stream inside the engine.
 pub type StreamId = u64;
 
@@ -374,7 +380,7 @@ impl<B: Backend> Engine<B> {
         let context = body.state.context;
         // Room for the prompt, the reply and one verify window past it.
         let window = self.opts.max_depth as u64 + 1;
-        let room = context.saturating_sub(req.prompt.len() as u64 + window);
+        let room = reply_room(context, req.prompt.len(), self.opts.max_depth);
         if req.max_tokens as u64 > room {
             return Err(EngineError::TooLong {
                 prompt: req.prompt.len(),

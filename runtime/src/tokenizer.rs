@@ -97,18 +97,6 @@ fn piece_end(text: &str, start: usize) -> usize {
         .unwrap_or(text.len())
 }
 
-/// The JSON type of `v`, for messages.
-fn json_type(v: &serde_json::Value) -> &'static str {
-    match v {
-        serde_json::Value::Null => "null",
-        serde_json::Value::Bool(_) => "a boolean",
-        serde_json::Value::Number(_) => "a number",
-        serde_json::Value::String(_) => "a string",
-        serde_json::Value::Array(_) => "an array",
-        serde_json::Value::Object(_) => "an object",
-    }
-}
-
 /// A special token in `tokenizer_config.json`: a plain string or an `AddedToken` object with `content`.
 fn token_string(v: Option<&serde_json::Value>) -> Option<String> {
     match v? {
@@ -202,7 +190,11 @@ impl Tokenizer {
                 expected,
             };
             if !v.is_object() {
-                return Err(field("the file", json_type(&v), "a JSON object"));
+                return Err(field(
+                    "the file",
+                    crate::server::api::type_name(&v),
+                    "a JSON object",
+                ));
             }
             let templates = "a string, or a list of {\"name\", \"template\"} objects";
             t.chat_template = match v.get("chat_template") {
@@ -224,7 +216,13 @@ impl Tokenizer {
                             templates,
                         )
                     })?,
-                Some(other) => return Err(field("chat_template", json_type(other), templates)),
+                Some(other) => {
+                    return Err(field(
+                        "chat_template",
+                        crate::server::api::type_name(other),
+                        templates,
+                    ))
+                }
             };
             t.eos_token = token_string(v.get("eos_token"));
             t.bos_token = token_string(v.get("bos_token"));

@@ -545,6 +545,17 @@ fn store_as_fp8_block(dir: &Path, name: &str, scale_dtype: Dtype) -> Vec<f32> {
     values
 }
 
+/// Asserts that a loaded tensor holds exactly the values its stored form represents (bit for bit).
+fn same_bits(got: &[f32], want: &[f32], name: &str) {
+    assert_eq!(got.len(), want.len(), "{name}");
+    assert!(
+        got.iter()
+            .zip(want)
+            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "{name}: a value differs from code x scale"
+    );
+}
+
 #[test]
 fn fp8_block_tensors_load_as_code_times_scale() {
     use flashplan_plan::StorageForm;
@@ -566,12 +577,7 @@ fn fp8_block_tensors_load_as_code_times_scale() {
     let w = load(dir.path(), &body).expect("FP8 block tensors load");
     for (n, v) in names.iter().zip(&want) {
         let canonical = n.strip_prefix("model.").unwrap_or(n);
-        let got = get(&w, &body, canonical);
-        assert_eq!(got.len(), v.len(), "{n}");
-        assert!(
-            got.iter().zip(v).all(|(a, b)| a.to_bits() == b.to_bits()),
-            "{n}: a value differs from code x scale"
-        );
+        same_bits(get(&w, &body, canonical), v, n);
     }
     // Everything else loads as before.
     let plain = load(&src, &plan()).unwrap();
@@ -612,14 +618,7 @@ fn fp8_block_expert_pieces_with_bf16_scales_stack_as_their_values() {
     body.weights[j].form = StorageForm::Fp8Block;
     let w = load(dir.path(), &body).expect("FP8 block pieces load");
     for (name, v) in [(gate_up, &want), (down, &want_down)] {
-        let got = get(&w, &body, name);
-        assert_eq!(got.len(), v.len(), "{name}");
-        assert!(
-            got.iter()
-                .zip(v.iter())
-                .all(|(a, b)| a.to_bits() == b.to_bits()),
-            "{name}: a value differs from code x scale"
-        );
+        same_bits(get(&w, &body, name), v, name);
     }
 }
 

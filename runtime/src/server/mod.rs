@@ -74,7 +74,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
-        .route("/v1/models/{id}", get(model))
+        .route("/v1/models/{*id}", get(model))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/tokenize", post(tokenize))
@@ -498,9 +498,7 @@ fn build(state: &AppState, p: &GenParams, chat: bool) -> Result<GenRequest, ApiE
         return Err(ApiError::invalid(Some(param), "the prompt is empty").code("empty_prompt"));
     }
     in_vocab(param, &ids, info.vocab_size).map_err(|e| e.code("invalid_token_id"))?;
-    let room = info
-        .context
-        .saturating_sub(ids.len() as u64 + info.max_depth as u64 + 1);
+    let room = crate::engine::reply_room(info.context, ids.len(), info.max_depth);
     if room == 0 {
         return Err(ApiError::invalid(
             Some(param),
