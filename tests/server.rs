@@ -80,12 +80,16 @@ fn post(path: &str, body: &str) -> client::Response {
     client::request(server(), "POST", path, Some(body)).expect("request")
 }
 
-/// The streamed text, the final flashplan block and usage of a streamed request.
+/// The streamed text, the final flashplan block and usage of a streamed request. Checks the chunks' shape: the
+/// `flashplan` block comes once, in the usage chunk (`choices` empty) with `stream_options.include_usage`, where
+/// every other chunk has `"usage": null` (OpenAI's rule), else in the chunk with the finish reason.
 fn post_stream(path: &str, body: &Value) -> (String, Value, Value) {
+    let include_usage = body["stream_options"]["include_usage"] == json!(true);
     let mut text = String::new();
     let mut fp = Value::Null;
     let mut usage = Value::Null;
     let mut done = false;
+    let mut blocks = 0;
     let r = client::stream_sse(server(), path, &body.to_string(), |d| {
         if d == "[DONE]" {
             done = true;
@@ -96,16 +100,34 @@ fn post_stream(path: &str, body: &Value) -> (String, Value, Value) {
         if let Some(t) = c["text"].as_str().or(c["delta"]["content"].as_str()) {
             text.push_str(t);
         }
+        if include_usage {
+            assert!(v.get("usage").is_some(), "a chunk without `usage`: {v}");
+        }
         if !v["flashplan"].is_null() {
+            blocks += 1;
             fp = v["flashplan"].clone();
+            if include_usage {
+                assert_eq!(
+                    v["choices"],
+                    json!([]),
+                    "the flashplan block outside the usage chunk: {v}"
+                );
+            } else {
+                assert!(
+                    !c["finish_reason"].is_null(),
+                    "the flashplan block before the end: {v}"
+                );
+            }
         }
         if !v["usage"].is_null() {
+            assert!(include_usage, "usage without include_usage: {v}");
             usage = v["usage"].clone();
         }
     })
     .expect("stream");
     assert_eq!(r.status, 200, "{}", r.body);
     assert!(done, "no [DONE]");
+    assert_eq!(blocks, 1, "flashplan blocks in the stream");
     (text, fp, usage)
 }
 

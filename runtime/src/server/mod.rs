@@ -653,8 +653,14 @@ impl SseState {
             "model": self.model,
             "choices": [choice],
         });
-        if let (Some(Value::Object(e)), Value::Object(o)) = (extra, &mut v) {
-            o.extend(e);
+        if let Value::Object(o) = &mut v {
+            if self.include_usage {
+                // OpenAI's rule: with `include_usage`, every chunk but the usage chunk has `"usage": null`.
+                o.insert("usage".into(), Value::Null);
+            }
+            if let Some(Value::Object(e)) = extra {
+                o.extend(e);
+            }
         }
         v
     }
@@ -694,29 +700,23 @@ fn sse_response(
                 }
             }
             Some(StreamEvent::Done(c)) => {
-                let extra = if st.include_usage {
-                    json!({"flashplan": flashplan_block(&c)})
-                } else {
-                    json!({"usage": null, "flashplan": flashplan_block(&c)})
-                };
+                // The reply's `flashplan` statistics come once: in the usage chunk when there is one, else in the
+                // chunk that ends the choice.
+                let extra = (!st.include_usage)
+                    .then(|| json!({"usage": null, "flashplan": flashplan_block(&c)}));
                 let fin = st.chunk(
                     if st.chat { None } else { Some("") },
                     Some(json!(c.finish_reason)),
-                    Some(extra),
+                    extra,
                 );
                 out.push(data(&fin));
                 st.sent_role = true;
                 if st.include_usage {
-                    let mut u = json!({
+                    out.push(data(&json!({
                         "id": st.id, "object": if st.chat { "chat.completion.chunk" } else { "text_completion" },
                         "created": st.created, "model": st.model, "choices": [],
                         "usage": usage(&c), "flashplan": flashplan_block(&c),
-                    });
-                    if let Value::Object(o) = &mut u {
-                        o.remove("choices");
-                        o.insert("choices".into(), json!([]));
-                    }
-                    out.push(data(&u));
+                    })));
                 }
                 out.push(Ok(SseEvent::default().data("[DONE]")));
                 st.rx = None;
