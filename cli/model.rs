@@ -31,7 +31,8 @@ pub struct ModelArgs {
     /// Most drafts per verify window (at most the plans' max depth).
     #[arg(long, allow_negative_numbers = true, default_value_t = 15)]
     pub max_depth: u32,
-    /// Context per stream (tokens) when compiling plans into the cache [default: 32768]. With --plans the plans'
+    /// Context per stream (tokens) when compiling plans into the cache [default: 32768, or the model's
+    /// max_position_embeddings when smaller]. With --plans the plans'
     /// context holds, and a --context other than it is refused.
     #[arg(long, allow_negative_numbers = true)]
     pub context: Option<u64>,
@@ -117,8 +118,16 @@ pub fn gpu_arch() -> Result<(String, String), String> {
     }
 }
 
-/// The context per stream compiled into the cache when `--context` is not given (`run`, `serve`).
+/// The context per stream compiled into the cache when `--context` is not given (`run`, `serve`), for a model
+/// trained for at least as many positions ([`default_context`]).
 pub const DEFAULT_CONTEXT: u64 = 32768;
+
+/// The context compiled into the cache when `--context` is not given: [`DEFAULT_CONTEXT`], or the model's
+/// `max_position_embeddings` when that is smaller (as vLLM's default `max_model_len`), but at least the compiler's
+/// smallest context (16).
+pub fn default_context(cfg: &ModelConfig) -> u64 {
+    DEFAULT_CONTEXT.min(cfg.max_position_embeddings).max(16)
+}
 
 /// Plans for `model`: `plans` when given, else the cache entry keyed by config, arch, options and compiler
 /// version, compiled (with a progress bar) when missing. Given plans are refused first when `context` (the
@@ -180,6 +189,9 @@ pub fn plans_for(
         model.display(),
         file.display()
     );
+    if let Some(note) = flashplan_compiler::context_note(&cfg, opts.context) {
+        eprintln!("{note}");
+    }
     let bar = indicatif::ProgressBar::new(0);
     bar.set_style(
         indicatif::ProgressStyle::with_template(
@@ -361,12 +373,11 @@ pub fn check_folders() -> anyhow::Result<()> {
 
 /// Refuses a tokenizer that can produce ids the model cannot embed (an id at or past the config's `vocab_size`):
 /// likely a tokenizer made for another model. One with fewer ids than the model's vocabulary is usual (padding).
-fn check_tokenizer_fits(model: &Path, tokenizer: &Tokenizer) -> anyhow::Result<()> {
-    let cfg_path = model.join("config.json");
-    let text = std::fs::read_to_string(&cfg_path)
-        .with_context(|| format!("reading {}", cfg_path.display()))?;
-    let cfg = ModelConfig::from_json_str(&text)
-        .with_context(|| format!("config {}", cfg_path.display()))?;
+fn check_tokenizer_fits(
+    model: &Path,
+    cfg: &ModelConfig,
+    tokenizer: &Tokenizer,
+) -> anyhow::Result<()> {
     if let Some(max) = tokenizer.max_token_id() {
         anyhow::ensure!(
             max < cfg.vocab_size,
@@ -400,12 +411,17 @@ pub fn load(a: &ModelArgs) -> anyhow::Result<Loaded> {
             "no such model directory"
         }
     );
+    let cfg_path = a.model.join("config.json");
+    let text = std::fs::read_to_string(&cfg_path)
+        .with_context(|| format!("reading {}", cfg_path.display()))?;
+    let cfg = ModelConfig::from_json_str(&text)
+        .with_context(|| format!("config {}", cfg_path.display()))?;
     let mut copts = flashplan_compiler::default_options(flashplan_compiler::default_arch());
-    copts.context = a.context.unwrap_or(DEFAULT_CONTEXT);
+    copts.context = a.context.unwrap_or_else(|| default_context(&cfg));
     copts.max_depth = a.max_depth.max(1);
     let tokenizer = Tokenizer::from_dir(&a.model)
         .with_context(|| format!("loading the tokenizer of {}", a.model.display()))?;
-    check_tokenizer_fits(&a.model, &tokenizer)?;
+    check_tokenizer_fits(&a.model, &cfg, &tokenizer)?;
     let (backend, has_mtp, _) = load_backend(
         &a.model,
         a.plans.as_deref(),
@@ -431,4 +447,29 @@ pub fn load(a: &ModelArgs) -> anyhow::Result<Loaded> {
         tokenizer: Arc::new(tokenizer),
         name,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(path: &str) -> ModelConfig {
+        let text = std::fs::read_to_string(path).expect("bundled config");
+        ModelConfig::from_json_str(&text).expect("config parses")
+    }
+
+    #[test]
+    fn the_default_context_is_at_most_the_models_positions() {
+        // The real config's 524288 positions: the default; the bundled demo model's 8192: its own.
+        let real = config("configs/flash-next.json");
+        assert!(real.max_position_embeddings > DEFAULT_CONTEXT);
+        assert_eq!(default_context(&real), DEFAULT_CONTEXT);
+        let tiny = config("models/flashnext-tiny/config.json");
+        assert!(tiny.max_position_embeddings < DEFAULT_CONTEXT);
+        assert_eq!(default_context(&tiny), tiny.max_position_embeddings);
+        assert!(flashplan_compiler::context_note(&tiny, default_context(&tiny)).is_none());
+        let note = flashplan_compiler::context_note(&tiny, tiny.max_position_embeddings + 1)
+            .expect("a note");
+        assert!(note.contains("max_position_embeddings (8192)"), "{note}");
+    }
 }

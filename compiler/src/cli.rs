@@ -68,6 +68,9 @@ pub fn compile(a: CompileArgs) -> anyhow::Result<()> {
         context: a.context,
         prefill_chunk: a.prefill_chunk,
     };
+    if let Some(note) = crate::context_note(&cfg, opts.context) {
+        eprintln!("{note}");
+    }
     let t = std::time::Instant::now();
     let bar = indicatif::ProgressBar::new(0);
     bar.set_style(

@@ -179,6 +179,19 @@ fn check_options(o: &CompileOptions) -> Result<(), CompileError> {
     Ok(())
 }
 
+/// A note for a plan context past the model's `max_position_embeddings` (the positions it was trained for, counting
+/// the RoPE scaling its config declares), or `None`. Such plans still compile and run, as transformers runs any
+/// position; the note says what the user asked for.
+pub fn context_note(cfg: &ModelConfig, context: u64) -> Option<String> {
+    (context > cfg.max_position_embeddings).then(|| {
+        format!(
+            "note: the context, {context} tokens, is past the model's max_position_embeddings ({}): positions beyond it \
+             are outside what the model was trained for",
+            cfg.max_position_embeddings
+        )
+    })
+}
+
 /// Compiles the plan set for a config. `progress` is called after each variant with (done, total).
 ///
 /// # Errors
