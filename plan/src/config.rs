@@ -892,7 +892,24 @@ fn parse_mtp(text: &Map<String, Value>, r: &Reader) -> Result<Option<MtpConfig>,
                 return Err(field_err("mtp.mtp_use_hidden_state_from_layer", v, "null"));
             }
         }
+        match b.get("layer_types") {
+            None | Some(Value::Null) | Some(Value::Array(_)) => {}
+            Some(v) => {
+                return Err(field_err(
+                    "mtp.layer_types",
+                    v,
+                    "a list of layer type strings",
+                ))
+            }
+        }
         if let Some(Value::Array(types)) = b.get("layer_types") {
+            if types.len() != 1 {
+                return Err(field_err(
+                    "mtp.layer_types",
+                    format!("{} entries", types.len()),
+                    "one entry, as mtp.num_hidden_layers (1)",
+                ));
+            }
             for t in types {
                 if t.as_str() != Some("full_attention") && t.as_str() != Some("indexed_attention") {
                     return Err(field_err(

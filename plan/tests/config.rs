@@ -295,6 +295,24 @@ fn refuses_two_mtp_layers_in_block() {
 }
 
 #[test]
+fn refuses_mtp_layer_types_other_than_one_attention_layer() {
+    // One drafter layer: its layer_types holds one entry, an attention layer.
+    refused(
+        |o| o["mtp"]["layer_types"] = json!(["full_attention", "full_attention"]),
+        "mtp.layer_types",
+    );
+    refused(|o| o["mtp"]["layer_types"] = json!([]), "mtp.layer_types");
+    refused(
+        |o| o["mtp"]["layer_types"] = json!(["linear_attention"]),
+        "mtp.layer_types",
+    );
+    refused(
+        |o| o["mtp"]["layer_types"] = json!("full_attention"),
+        "mtp.layer_types",
+    );
+}
+
+#[test]
 fn refuses_mtp_hidden_state_from_layer() {
     refused(
         set("mtp_use_hidden_state_from_layer", json!(40)),
