@@ -31,8 +31,8 @@ pub struct ModelArgs {
     /// Most drafts per verify window (at most the plans' max depth).
     #[arg(long, allow_negative_numbers = true, default_value_t = 15)]
     pub max_depth: u32,
-    /// Context per stream (tokens) when compiling plans into the cache [default: 32768, or the model's
-    /// max_position_embeddings when smaller]. With --plans the plans'
+    /// Context per stream (tokens) when compiling plans into the cache [default: 32768, or the positions the
+    /// model was trained for when fewer]. With --plans the plans'
     /// context holds, and a --context other than it is refused.
     #[arg(long, allow_negative_numbers = true)]
     pub context: Option<u64>,
@@ -122,11 +122,13 @@ pub fn gpu_arch() -> Result<(String, String), String> {
 /// trained for at least as many positions ([`default_context`]).
 pub const DEFAULT_CONTEXT: u64 = 32768;
 
-/// The context compiled into the cache when `--context` is not given: [`DEFAULT_CONTEXT`], or the model's
-/// `max_position_embeddings` when that is smaller (as vLLM's default `max_model_len`), but at least the compiler's
-/// smallest context (16).
+/// The context compiled into the cache when `--context` is not given: [`DEFAULT_CONTEXT`], or the positions the
+/// model was trained for when fewer (`flashplan_compiler::trained_positions`; vLLM's default `max_model_len` is
+/// likewise the model's length), but at least the compiler's smallest context.
 pub fn default_context(cfg: &ModelConfig) -> u64 {
-    DEFAULT_CONTEXT.min(cfg.max_position_embeddings).max(16)
+    DEFAULT_CONTEXT
+        .min(flashplan_compiler::trained_positions(cfg))
+        .max(flashplan_compiler::MIN_CONTEXT)
 }
 
 /// Plans for `model`: `plans` when given, else the cache entry keyed by config, arch, options and compiler
@@ -470,6 +472,27 @@ mod tests {
         assert!(flashplan_compiler::context_note(&tiny, default_context(&tiny)).is_none());
         let note = flashplan_compiler::context_note(&tiny, tiny.max_position_embeddings + 1)
             .expect("a note");
-        assert!(note.contains("max_position_embeddings (8192)"), "{note}");
+        assert!(note.contains("past the 8192 positions"), "{note}");
+    }
+
+    #[test]
+    fn yarn_scaling_counts_in_the_trained_positions() {
+        // The published config stores the scaled length (262144 x 2); a config storing the unscaled one is read
+        // the same.
+        let text = std::fs::read_to_string("configs/flash-next.json").expect("bundled config");
+        let mut v: serde_json::Value = serde_json::from_str(&text).expect("json");
+        let real = ModelConfig::from_json(&v).expect("config");
+        assert_eq!(real.rope.rope_type, "yarn");
+        let scaled = (real
+            .rope
+            .original_max_position_embeddings
+            .expect("original") as f64
+            * real.rope.factor) as u64;
+        assert_eq!(flashplan_compiler::trained_positions(&real), scaled);
+        v["text_config"]["max_position_embeddings"] = serde_json::json!(262144);
+        let unscaled = ModelConfig::from_json(&v).expect("config");
+        assert_eq!(flashplan_compiler::trained_positions(&unscaled), scaled);
+        assert!(flashplan_compiler::context_note(&unscaled, scaled).is_none());
+        assert!(flashplan_compiler::context_note(&unscaled, scaled + 1).is_some());
     }
 }

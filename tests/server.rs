@@ -90,12 +90,27 @@ fn post_stream(path: &str, body: &Value) -> (String, Value, Value) {
     let mut usage = Value::Null;
     let mut done = false;
     let mut blocks = 0;
+    // Whether the event before [DONE] was the usage chunk.
+    let mut usage_last = false;
     let r = client::stream_sse(server(), path, &body.to_string(), |d| {
         if d == "[DONE]" {
             done = true;
+            assert_eq!(
+                usage_last, include_usage,
+                "the usage chunk is the last before [DONE]"
+            );
             return;
         }
+        assert!(!done, "an event after [DONE]: {d}");
         let v: Value = serde_json::from_str(d).expect("chunk is JSON");
+        usage_last = !v["usage"].is_null();
+        if include_usage {
+            assert_eq!(
+                !v["usage"].is_null(),
+                v["choices"] == json!([]),
+                "usage exactly in the chunk without choices: {v}"
+            );
+        }
         let c = &v["choices"][0];
         if let Some(t) = c["text"].as_str().or(c["delta"]["content"].as_str()) {
             text.push_str(t);
@@ -186,6 +201,11 @@ fn chat_streamed_equals_whole_and_seeded_sampling() {
     let (stext, fp, _) = post_stream("/v1/chat/completions", &sb);
     assert_eq!(stext, text);
     assert_eq!(fp["token_sha"], v["flashplan"]["token_sha"]);
+    sb["stream_options"] = json!({"include_usage": true});
+    let (stext, fp, usage) = post_stream("/v1/chat/completions", &sb);
+    assert_eq!(stext, text);
+    assert_eq!(fp["token_sha"], v["flashplan"]["token_sha"]);
+    assert_eq!(usage, v["usage"]);
     let mut pb = body.clone();
     pb["draft"] = json!(false);
     let p = post("/v1/chat/completions", &pb.to_string()).json();

@@ -162,7 +162,7 @@ fn check_options(o: &CompileOptions) -> Result<(), CompileError> {
             "a list of stream counts in 1..=256",
         );
     }
-    if o.context < 16 || o.context > (1 << 24) {
+    if o.context < MIN_CONTEXT || o.context > MAX_CONTEXT {
         return bad(
             "--context",
             o.context.to_string(),
@@ -179,15 +179,33 @@ fn check_options(o: &CompileOptions) -> Result<(), CompileError> {
     Ok(())
 }
 
-/// A note for a plan context past the model's `max_position_embeddings` (the positions it was trained for, counting
-/// the RoPE scaling its config declares), or `None`. Such plans still compile and run, as transformers runs any
-/// position; the note says what the user asked for.
+/// The smallest context per stream a plan set takes (tokens; `--context`).
+pub const MIN_CONTEXT: u64 = 16;
+/// The largest context per stream a plan set takes (tokens; `--context`).
+pub const MAX_CONTEXT: u64 = 1 << 24;
+
+/// The positions the model was trained for: `max_position_embeddings`, or with YaRN RoPE (`rope_type` `yarn`)
+/// `original_max_position_embeddings` times its `factor` when that is more (configs differ in which of the two
+/// they store as `max_position_embeddings`; the published Flash Next config stores the scaled 524288 = 262144 x 2).
+pub fn trained_positions(cfg: &ModelConfig) -> u64 {
+    let scaled = match (
+        cfg.rope.rope_type.as_str(),
+        cfg.rope.original_max_position_embeddings,
+    ) {
+        ("yarn", Some(o)) => (o as f64 * cfg.rope.factor) as u64,
+        _ => 0,
+    };
+    cfg.max_position_embeddings.max(scaled)
+}
+
+/// A note for a plan context past the positions the model was trained for ([`trained_positions`]), or `None`.
+/// Such plans still compile and run, as transformers runs any position; the note says what the user asked for.
 pub fn context_note(cfg: &ModelConfig, context: u64) -> Option<String> {
-    (context > cfg.max_position_embeddings).then(|| {
+    let trained = trained_positions(cfg);
+    (context > trained).then(|| {
         format!(
-            "note: the context, {context} tokens, is past the model's max_position_embeddings ({}): positions beyond it \
-             are outside what the model was trained for",
-            cfg.max_position_embeddings
+            "note: the context, {context} tokens, is past the {trained} positions the model was trained for \
+             (max_position_embeddings and RoPE scaling of its config): positions beyond them are untested ground"
         )
     })
 }

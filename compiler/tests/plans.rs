@@ -3,7 +3,9 @@
 
 use std::path::Path;
 
-use flashplan_compiler::{compile, default_options, deps::fill_deps, FormSource};
+use flashplan_compiler::{
+    compile, default_options, deps::fill_deps, FormSource, MAX_CONTEXT, MIN_CONTEXT,
+};
 use flashplan_plan::validate::{lifetimes, validate_state, validate_variant};
 use flashplan_plan::{
     BufId, BufferDecl, FormatError, ModelConfig, Op, PlanSet, Space, ValidationError, VariantKind,
@@ -476,6 +478,25 @@ fn bad_options_are_refused() {
             panic!("option {name} out of range was accepted");
         };
         assert!(err.to_string().contains(name), "{err}");
+    }
+    // The context's bounds are the published constants, each end taken and one past it refused with them named.
+    let range = format!("{MIN_CONTEXT}..={MAX_CONTEXT}");
+    for (context, ok) in [
+        (MIN_CONTEXT - 1, false),
+        (MIN_CONTEXT, true),
+        (MAX_CONTEXT + 1, false),
+    ] {
+        let mut o = default_options("cpu");
+        o.context = context;
+        o.streams = vec![1];
+        o.max_depth = 1;
+        match compile(&c, &o, &FormSource::default(), "none", |_, _| {}) {
+            Ok(_) => assert!(ok, "context {context} was accepted"),
+            Err(e) => assert!(
+                !ok && e.to_string().contains(&range),
+                "context {context}: {e}"
+            ),
+        }
     }
 }
 
