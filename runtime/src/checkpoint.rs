@@ -6,7 +6,8 @@
 //! Layouts accepted:
 //! - a single `model.safetensors`, or shards named by `model.safetensors.index.json` (its `weight_map` is
 //!   authoritative: every file it names must exist, a file it does not name is ignored, and so is a tensor of a named
-//!   file that the map does not list). When both are present the index wins.
+//!   file that the map does not list, but a second copy in a named file of a tensor the map puts in another is
+//!   refused: which copy is meant would be a guess). When both are present the index wins.
 //! - prefixes `model.language_model.` (wrapper checkpoints, whose `model.visual.*` is ignored), `model.`
 //!   (text-only) and `language_model.model.`; `lm_head.weight` at top level; the MTP drafter as top-level `mtp.*`
 //!   or MLX-style `language_model.mtp.*`.
@@ -116,6 +117,23 @@ pub enum CheckpointError {
         path: PathBuf,
         /// What was wrong.
         why: String,
+    },
+    /// A tensor is stored in two shards (the index names one of them): which copy is meant would be a guess.
+    #[error(
+        "{tensor} is stored in two shards, {first} and {second} ({index} names {named}): expected each tensor in \
+         one shard"
+    )]
+    TensorInTwoShards {
+        /// The index file.
+        index: PathBuf,
+        /// The on-disk tensor name.
+        tensor: String,
+        /// The two shard files, in the index's order of files.
+        first: PathBuf,
+        /// The second.
+        second: PathBuf,
+        /// The shard file the index names for it.
+        named: PathBuf,
     },
     /// The shard index names a file that does not exist.
     #[error("{index} names shard {file} (for tensor {tensor}), which does not exist")]
@@ -802,6 +820,22 @@ pub fn load_checkpoint(
                 file: shards[file].path.clone(),
             })?;
         disk.insert(name, (file, view));
+    }
+    // A tensor stored in a shard the index does not name for it, as well as in the named one.
+    for (file, st) in parsed.iter().enumerate() {
+        for name in st.names() {
+            if let Some(&(named, _)) = disk.get(name) {
+                if named != file {
+                    return Err(CheckpointError::TensorInTwoShards {
+                        index: index_path.clone().unwrap_or_default(),
+                        tensor: name.to_string(),
+                        first: shards[named.min(file)].path.clone(),
+                        second: shards[named.max(file)].path.clone(),
+                        named: shards[named].path.clone(),
+                    });
+                }
+            }
+        }
     }
 
     // Scale companions of FP8 tensors (`X_scale_inv`, `X_scale`): skipped here, their base is refused by name.

@@ -308,6 +308,33 @@ fn missing_expert_is_refused() {
 }
 
 #[test]
+fn a_tensor_in_two_shards_is_refused() {
+    // A second copy of a tensor in a shard the index does not name for it: which one is meant is a guess.
+    let Some(src) = tiny() else { return };
+    let body = plan();
+    let dir = copy_of(&src);
+    let name = "model.layers.0.linear_attn.out_proj.weight";
+    let home = file_of(dir.path(), name);
+    let other = "model-00003-of-00004.safetensors";
+    assert_ne!(home, other);
+    let copy = read_st(&dir.path().join(&home))
+        .into_iter()
+        .find(|t| t.name == name)
+        .expect("the tensor");
+    let mut ts = read_st(&dir.path().join(other));
+    ts.push(copy);
+    write_st(&dir.path().join(other), &ts);
+    let msg = refusal(dir.path(), &body);
+    assert!(
+        msg.contains(name)
+            && msg.contains(&home)
+            && msg.contains(other)
+            && msg.contains("two shards"),
+        "{msg}"
+    );
+}
+
+#[test]
 fn missing_shard_file_is_refused() {
     let Some(src) = tiny() else { return };
     let body = plan();
