@@ -71,6 +71,24 @@ def main():
             csha_s = fp["token_sha"]
     check("chat: streamed text == non-streamed text", "".join(cpieces) == ctext, repr(ctext[:40]))
     check("chat: streamed token_sha", csha_s == csha)
+    # With include_usage: the usage chunk (no choices) comes last and carries the flashplan block, once.
+    chunks = list(
+        client.chat.completions.create(
+            messages=messages, stream=True, stream_options={"include_usage": True}, **common
+        )
+    )
+    blocks = [c for c in chunks if extra(c, "flashplan")]
+    check(
+        "chat: include_usage gives one usage chunk, last, with the flashplan block",
+        bool(chunks)
+        and not chunks[-1].choices
+        and chunks[-1].usage is not None
+        and chunks[-1].usage.completion_tokens == cw.usage.completion_tokens
+        and all(c.usage is None for c in chunks[:-1])
+        and len(blocks) == 1
+        and blocks[0] is chunks[-1]
+        and extra(chunks[-1], "flashplan")["token_sha"] == csha,
+    )
     cplain = client.chat.completions.create(messages=messages, extra_body={"draft": False}, **common)
     check("chat: draft false gives the same token_sha", extra(cplain, "flashplan")["token_sha"] == csha)
 
