@@ -494,5 +494,16 @@ mod tests {
         assert_eq!(flashplan_compiler::trained_positions(&unscaled), scaled);
         assert!(flashplan_compiler::context_note(&unscaled, scaled).is_none());
         assert!(flashplan_compiler::context_note(&unscaled, scaled + 1).is_some());
+        // Without original_max_position_embeddings, max_position_embeddings is the original length.
+        v["text_config"]["rope_parameters"]
+            .as_object_mut()
+            .expect("rope_parameters")
+            .remove("original_max_position_embeddings");
+        let no_original = ModelConfig::from_json(&v).expect("config");
+        assert_eq!(no_original.rope.original_max_position_embeddings, None);
+        assert_eq!(
+            flashplan_compiler::trained_positions(&no_original),
+            (262144.0 * real.rope.factor) as u64
+        );
     }
 }

@@ -78,16 +78,22 @@ def main():
         )
     )
     blocks = [c for c in chunks if extra(c, "flashplan")]
+    last = chunks[-1] if chunks else None
+    utext = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    check("chat: include_usage streams the same text", utext == ctext, repr(utext[:40]))
     check(
-        "chat: include_usage gives one usage chunk, last, with the flashplan block",
-        bool(chunks)
-        and not chunks[-1].choices
-        and chunks[-1].usage is not None
-        and chunks[-1].usage.completion_tokens == cw.usage.completion_tokens
-        and all(c.usage is None for c in chunks[:-1])
-        and len(blocks) == 1
-        and blocks[0] is chunks[-1]
-        and extra(chunks[-1], "flashplan")["token_sha"] == csha,
+        "chat: include_usage ends with one usage chunk",
+        last is not None
+        and not last.choices
+        and last.usage is not None
+        and last.usage.completion_tokens == cw.usage.completion_tokens
+        and all(c.usage is None for c in chunks[:-1]),
+        "" if last is None else f"{len(chunks)} chunks; the last: {len(last.choices)} choices, usage {last.usage}",
+    )
+    check(
+        "chat: the flashplan block comes once, in the usage chunk",
+        len(blocks) == 1 and blocks[0] is last and extra(last, "flashplan")["token_sha"] == csha,
+        f"{len(blocks)} chunks with the block",
     )
     cplain = client.chat.completions.create(messages=messages, extra_body={"draft": False}, **common)
     check("chat: draft false gives the same token_sha", extra(cplain, "flashplan")["token_sha"] == csha)

@@ -90,8 +90,9 @@ fn post_stream(path: &str, body: &Value) -> (String, Value, Value) {
     let mut usage = Value::Null;
     let mut done = false;
     let mut blocks = 0;
-    // Whether the event before [DONE] was the usage chunk.
+    // Whether the event before [DONE] was the usage chunk, and how many chunks had usage.
     let mut usage_last = false;
+    let mut usages = 0;
     let r = client::stream_sse(server(), path, &body.to_string(), |d| {
         if d == "[DONE]" {
             done = true;
@@ -136,6 +137,7 @@ fn post_stream(path: &str, body: &Value) -> (String, Value, Value) {
         }
         if !v["usage"].is_null() {
             assert!(include_usage, "usage without include_usage: {v}");
+            usages += 1;
             usage = v["usage"].clone();
         }
     })
@@ -143,6 +145,11 @@ fn post_stream(path: &str, body: &Value) -> (String, Value, Value) {
     assert_eq!(r.status, 200, "{}", r.body);
     assert!(done, "no [DONE]");
     assert_eq!(blocks, 1, "flashplan blocks in the stream");
+    assert_eq!(
+        usages,
+        usize::from(include_usage),
+        "usage chunks in the stream"
+    );
     (text, fp, usage)
 }
 

@@ -184,16 +184,20 @@ pub const MIN_CONTEXT: u64 = 16;
 /// The largest context per stream a plan set takes (tokens; `--context`).
 pub const MAX_CONTEXT: u64 = 1 << 24;
 
-/// The positions the model was trained for: `max_position_embeddings`, or with YaRN RoPE (`rope_type` `yarn`)
-/// `original_max_position_embeddings` times its `factor` when that is more (configs differ in which of the two
-/// they store as `max_position_embeddings`; the published Flash Next config stores the scaled 524288 = 262144 x 2).
+/// The positions the model was trained for: `max_position_embeddings`, or with YaRN RoPE (`rope_type` `yarn`) the
+/// original length times its `factor` when that is more. The original length is `original_max_position_embeddings`,
+/// or `max_position_embeddings` when the config has none (as transformers' `_compute_yarn_parameters` reads it).
+/// Configs differ in which length they store as `max_position_embeddings`: the published Flash Next config stores
+/// the scaled 524288 = 262144 x 2.
 pub fn trained_positions(cfg: &ModelConfig) -> u64 {
-    let scaled = match (
-        cfg.rope.rope_type.as_str(),
-        cfg.rope.original_max_position_embeddings,
-    ) {
-        ("yarn", Some(o)) => (o as f64 * cfg.rope.factor) as u64,
-        _ => 0,
+    let scaled = if cfg.rope.rope_type == "yarn" {
+        let original = cfg
+            .rope
+            .original_max_position_embeddings
+            .unwrap_or(cfg.max_position_embeddings);
+        (original as f64 * cfg.rope.factor) as u64
+    } else {
+        0
     };
     cfg.max_position_embeddings.max(scaled)
 }

@@ -484,6 +484,7 @@ fn bad_options_are_refused() {
     for (context, ok) in [
         (MIN_CONTEXT - 1, false),
         (MIN_CONTEXT, true),
+        (MAX_CONTEXT, true),
         (MAX_CONTEXT + 1, false),
     ] {
         let mut o = default_options("cpu");

@@ -120,20 +120,18 @@ pub enum CheckpointError {
     },
     /// A tensor is stored in two shards (the index names one of them): which copy is meant would be a guess.
     #[error(
-        "{tensor} is stored in two shards, {first} and {second} ({index} names {named}): expected each tensor in \
-         one shard"
+        "{tensor} is stored in two shards: {index} names {named}, and {copy} holds it too (expected each tensor in \
+         one shard)"
     )]
     TensorInTwoShards {
         /// The index file.
         index: PathBuf,
         /// The on-disk tensor name.
         tensor: String,
-        /// The two shard files, in the index's order of files.
-        first: PathBuf,
-        /// The second.
-        second: PathBuf,
         /// The shard file the index names for it.
         named: PathBuf,
+        /// The other shard file holding a tensor of that name.
+        copy: PathBuf,
     },
     /// The shard index names a file that does not exist.
     #[error("{index} names shard {file} (for tensor {tensor}), which does not exist")]
@@ -779,6 +777,34 @@ fn open_files(dir: &Path) -> Result<Opened, CheckpointError> {
     })
 }
 
+/// Refuses a tensor stored in a shard the index does not name for it as well as in the named one (`disk`: on-disk
+/// name -> the named shard's index into `shards`; `parsed`: every shard's header, in `shards`' order).
+fn check_one_shard_each(
+    parsed: &[SafeTensors<'_>],
+    disk: &BTreeMap<String, (usize, TensorView<'_>)>,
+    shards: &[Shard],
+    index: Option<&Path>,
+) -> Result<(), CheckpointError> {
+    if parsed.len() < 2 {
+        return Ok(());
+    }
+    for (file, st) in parsed.iter().enumerate() {
+        for name in st.names() {
+            if let Some(&(named, _)) = disk.get(name) {
+                if named != file {
+                    return Err(CheckpointError::TensorInTwoShards {
+                        index: index.map(Path::to_path_buf).unwrap_or_default(),
+                        tensor: name.to_string(),
+                        named: shards[named].path.clone(),
+                        copy: shards[file].path.clone(),
+                    });
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The pieces found for one manifest tensor: (piece, on-disk name).
 type Pieces = Vec<(Piece, String)>;
 
@@ -821,22 +847,7 @@ pub fn load_checkpoint(
             })?;
         disk.insert(name, (file, view));
     }
-    // A tensor stored in a shard the index does not name for it, as well as in the named one.
-    for (file, st) in parsed.iter().enumerate() {
-        for name in st.names() {
-            if let Some(&(named, _)) = disk.get(name) {
-                if named != file {
-                    return Err(CheckpointError::TensorInTwoShards {
-                        index: index_path.clone().unwrap_or_default(),
-                        tensor: name.to_string(),
-                        first: shards[named.min(file)].path.clone(),
-                        second: shards[named.max(file)].path.clone(),
-                        named: shards[named].path.clone(),
-                    });
-                }
-            }
-        }
-    }
+    check_one_shard_each(&parsed, &disk, &shards, index_path.as_deref())?;
 
     // Scale companions of FP8 tensors (`X_scale_inv`, `X_scale`): skipped here, their base is refused by name.
     let is_fp8 = |n: &str| {
