@@ -131,6 +131,16 @@ pub fn default_context(cfg: &ModelConfig) -> u64 {
         .max(flashplan_compiler::MIN_CONTEXT)
 }
 
+/// The text of `model`'s config.json (the plan cache key hashes it) and the config it gives.
+fn read_config(model: &Path) -> anyhow::Result<(String, ModelConfig)> {
+    let path = model.join("config.json");
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let cfg =
+        ModelConfig::from_json_str(&text).with_context(|| format!("config {}", path.display()))?;
+    Ok((text, cfg))
+}
+
 /// Plans for `model`: `plans` when given, else the cache entry keyed by config, arch, options and compiler
 /// version, compiled (with a progress bar) when missing. Given plans are refused first when `context` (the
 /// `--context` asked for) differs from theirs, before their arch is checked, so that a CUDA attempt's fallback to
@@ -141,11 +151,7 @@ pub fn plans_for(
     context: Option<u64>,
     opts: &CompileOptions,
 ) -> anyhow::Result<PlanSet> {
-    let cfg_path = model.join("config.json");
-    let text = std::fs::read_to_string(&cfg_path)
-        .with_context(|| format!("reading {}", cfg_path.display()))?;
-    let cfg = ModelConfig::from_json_str(&text)
-        .with_context(|| format!("config {}", cfg_path.display()))?;
+    let (text, cfg) = read_config(model)?;
     if let Some(p) = plans {
         let file = flashplan_compiler::inspect::plan_file(p)?;
         let set = PlanSet::read(&file).with_context(|| format!("reading {}", file.display()))?;
@@ -413,11 +419,7 @@ pub fn load(a: &ModelArgs) -> anyhow::Result<Loaded> {
             "no such model directory"
         }
     );
-    let cfg_path = a.model.join("config.json");
-    let text = std::fs::read_to_string(&cfg_path)
-        .with_context(|| format!("reading {}", cfg_path.display()))?;
-    let cfg = ModelConfig::from_json_str(&text)
-        .with_context(|| format!("config {}", cfg_path.display()))?;
+    let (_, cfg) = read_config(&a.model)?;
     let mut copts = flashplan_compiler::default_options(flashplan_compiler::default_arch());
     copts.context = a.context.unwrap_or_else(|| default_context(&cfg));
     copts.max_depth = a.max_depth.max(1);
