@@ -546,44 +546,33 @@ fn check_dtype(
             }
             Ok(())
         }
-        Dtype::F8_E4M3 | Dtype::F8_E5M2
-            if names.contains_key(&format!("{disk}_scale_inv"))
-                && names.contains_key(&format!("{disk}_scale")) =>
-        {
-            Err(CheckpointError::Fp8Block {
-                tensor: disk.to_string(),
-                why: format!(
-                    "both {disk}_scale_inv (FP8 block) and {disk}_scale (MXFP8) beside it"
-                ),
-            })
+        Dtype::F8_E4M3 | Dtype::F8_E5M2 => {
+            let scale = |suffix: &str| names.get(&format!("{disk}{suffix}")).map(|(_, v)| v);
+            match (scale("_scale_inv"), scale("_scale")) {
+                (Some(_), Some(_)) => Err(CheckpointError::Fp8Block {
+                    tensor: disk.to_string(),
+                    why: format!(
+                        "both {disk}_scale_inv (FP8 block) and {disk}_scale (MXFP8) beside it"
+                    ),
+                }),
+                (Some(s), None) => check_scaled(disk, view, s, entry, &FP8_BLOCK),
+                (None, Some(s)) => check_scaled(disk, view, s, entry, &MXFP8),
+                (None, None) => Err(wrong_dtype(
+                    disk,
+                    format!("{:?} without scales", view.dtype()),
+                )),
+            }
         }
-        Dtype::F8_E4M3 | Dtype::F8_E5M2 if names.contains_key(&format!("{disk}_scale_inv")) => {
-            check_scaled(
-                disk,
-                view,
-                &names[&format!("{disk}_scale_inv")].1,
-                entry,
-                &FP8_BLOCK,
-            )
-        }
-        Dtype::F8_E4M3 | Dtype::F8_E5M2 if names.contains_key(&format!("{disk}_scale")) => {
-            check_scaled(
-                disk,
-                view,
-                &names[&format!("{disk}_scale")].1,
-                entry,
-                &MXFP8,
-            )
-        }
-        other => Err(CheckpointError::Dtype {
-            tensor: disk.to_string(),
-            found: if matches!(other, Dtype::F8_E4M3 | Dtype::F8_E5M2) {
-                format!("{other:?} without scales")
-            } else {
-                dtype_name(other)
-            },
-            expected: "BF16, F16 or F32".into(),
-        }),
+        other => Err(wrong_dtype(disk, dtype_name(other))),
+    }
+}
+
+/// A float tensor of a dtype the loader does not read (`found`).
+fn wrong_dtype(disk: &str, found: String) -> CheckpointError {
+    CheckpointError::Dtype {
+        tensor: disk.to_string(),
+        found,
+        expected: "BF16, F16 or F32".into(),
     }
 }
 
