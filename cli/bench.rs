@@ -15,7 +15,8 @@ use crate::model::ModelArgs;
 /// Arguments of `flashplan bench`.
 #[derive(Debug, clap::Args)]
 pub struct BenchArgs {
-    /// The server (http://HOST:PORT). Without it, `--model` starts one in-process on a free port.
+    /// The server (http://HOST:PORT). Without it, `--model` starts one in-process on a free port; with neither,
+    /// the server at http://127.0.0.1:8000 (`flashplan serve`'s default).
     #[arg(long, conflicts_with = "model")]
     pub url: Option<String>,
     /// Serve this model in-process (with --plans, --parallel, --max-depth, --context).
@@ -46,11 +47,11 @@ pub struct BenchArgs {
     /// Default: a few built-in Python prompts.
     #[arg(long)]
     pub prompts: Option<PathBuf>,
-    /// Reply tokens per request (ignore_eos is set so every reply has this many).
-    #[arg(long, allow_negative_numbers = true, default_value_t = 64)]
+    /// Reply tokens per request, at least 1 (ignore_eos is set so every reply has this many).
+    #[arg(long, allow_negative_numbers = true, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_tokens: u32,
-    /// Sampling temperature (0: greedy); sampled runs use seed 1234.
-    #[arg(long, default_value_t = 0.0)]
+    /// Sampling temperature, 0 to 2 (0: greedy); sampled runs use seed 1234.
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub temperature: f32,
     /// Check that each concurrent reply equals its solo run (same token_sha).
     #[arg(long)]
@@ -146,6 +147,7 @@ pub fn bench(a: BenchArgs) -> anyhow::Result<()> {
         a.concurrency.iter().all(|&c| c > 0),
         "--concurrency levels must be at least 1"
     );
+    crate::run::check_temperature(a.temperature)?;
     let prompts = load_prompts(a.prompts.as_ref())?;
     let mut _server = None;
     let addr = match (&a.url, &a.model) {

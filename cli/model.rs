@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::Context;
+use flashplan_compiler::default_context;
 use flashplan_compiler::inspect::PLAN_FILE;
 use flashplan_plan::{CompileOptions, ModelConfig, PlanBody, PlanSet};
 use flashplan_runtime::backend::Backend;
@@ -116,19 +117,6 @@ pub fn gpu_arch() -> Result<(String, String), String> {
             "{gpu}: the CUDA kernels are built for sm_90a (Hopper) only"
         ))
     }
-}
-
-/// The context per stream compiled into the cache when `--context` is not given (`run`, `serve`), for a model
-/// trained for at least as many positions ([`default_context`]).
-pub const DEFAULT_CONTEXT: u64 = 32768;
-
-/// The context compiled into the cache when `--context` is not given: [`DEFAULT_CONTEXT`], or the positions the
-/// model was trained for when fewer (`flashplan_compiler::trained_positions`; vLLM's default `max_model_len` is
-/// likewise the model's length), but at least the compiler's smallest context.
-pub fn default_context(cfg: &ModelConfig) -> u64 {
-    DEFAULT_CONTEXT
-        .min(flashplan_compiler::trained_positions(cfg))
-        .max(flashplan_compiler::MIN_CONTEXT)
 }
 
 /// The text of `model`'s config.json (the plan cache key hashes it) and the config it gives.
@@ -456,6 +444,7 @@ pub fn load(a: &ModelArgs) -> anyhow::Result<Loaded> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use flashplan_compiler::DEFAULT_CONTEXT;
 
     fn config(path: &str) -> ModelConfig {
         let text = std::fs::read_to_string(path).expect("bundled config");

@@ -12,20 +12,18 @@ use flashplan_runtime::tokenizer::{ChatMessage, TextStream, Tokenizer};
 
 use crate::model::{load, ModelArgs};
 
-/// Arguments of `flashplan run`.
+/// Arguments of `flashplan run`: one of `--prompt` and `--prompt-file` (clap's group `input` names both when
+/// neither or both is given).
 #[derive(Debug, clap::Args)]
+#[command(group(clap::ArgGroup::new("input").required(true).multiple(false)))]
 pub struct RunArgs {
     #[command(flatten)]
     pub model: ModelArgs,
     /// The prompt text.
-    #[arg(
-        long,
-        conflicts_with = "prompt_file",
-        required_unless_present = "prompt_file"
-    )]
+    #[arg(long, group = "input")]
     pub prompt: Option<String>,
     /// A file holding the prompt text.
-    #[arg(long)]
+    #[arg(long, group = "input")]
     pub prompt_file: Option<PathBuf>,
     /// Wrap the prompt as one user message in the model's chat template.
     #[arg(long)]
@@ -44,8 +42,17 @@ pub struct RunArgs {
     #[arg(long)]
     pub no_draft: bool,
     /// Stop strings (repeatable; each non-empty).
-    #[arg(long, value_parser = clap::builder::NonEmptyStringValueParser::new())]
+    #[arg(long, value_parser = stop_arg)]
     pub stop: Vec<String>,
+}
+
+/// Parses `--stop`: a non-empty string (an empty one would end every reply before its first token).
+fn stop_arg(s: &str) -> Result<String, String> {
+    if s.is_empty() {
+        Err("expected a non-empty stop string".into())
+    } else {
+        Ok(s.to_string())
+    }
 }
 
 /// Parses `--seed`: an integer from -2^63 to 2^64 - 1, negative ones as their 64-bit two's complement (the API's
@@ -59,6 +66,19 @@ fn seed_arg(s: &str) -> Result<u64, String> {
             u64::MAX
         )),
     }
+}
+
+/// Checks `--temperature` against the API's range, 0 to `MAX_TEMPERATURE` (0: greedy).
+///
+/// # Errors
+/// A value outside it (NaN included), naming the option, the value and the range.
+pub fn check_temperature(t: f32) -> anyhow::Result<()> {
+    let max_t = flashplan_runtime::server::api::MAX_TEMPERATURE;
+    anyhow::ensure!(
+        (0.0..=max_t).contains(&(t as f64)),
+        "--temperature {t}: expected 0 to {max_t} (0: greedy), as the API takes"
+    );
+    Ok(())
 }
 
 /// A reply generated directly on an engine.
@@ -190,17 +210,10 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         }
         (None, None) => anyhow::bail!("give --prompt TEXT or --prompt-file FILE"),
     };
-    let sampling = flashplan_runtime::sampler::SamplingParams {
-        temperature: a.temperature,
-        ..Default::default()
-    };
-    sampling.validate().context("--temperature")?;
-    let max_t = flashplan_runtime::server::api::MAX_TEMPERATURE;
-    anyhow::ensure!(
-        a.temperature as f64 <= max_t,
-        "--temperature {}: expected 0 to {max_t}, as the API takes",
-        a.temperature
-    );
+    check_temperature(a.temperature)?;
+    if a.seed.is_some() && a.temperature == 0.0 {
+        eprintln!("note: --seed has no effect on greedy decoding (--temperature 0)");
+    }
     let mut m = load(&a.model)?;
     let prompt = prompt_ids(&m.tokenizer, &text, a.chat)?;
     let mut stop_token_ids = Vec::new();

@@ -166,7 +166,11 @@ fn run_refuses_a_reply_of_no_tokens_and_takes_negative_numbers_as_values() {
         (&["--max-depth", "-1"][..], "'-1' for '--max-depth"),
         (
             &["--temperature", "-1"][..],
-            "temperature must be finite and >= 0",
+            "--temperature -1: expected 0 to 2",
+        ),
+        (
+            &["--temperature", "NaN"][..],
+            "--temperature NaN: expected 0 to 2",
         ),
         (
             &["--temperature", "3"][..],
@@ -196,6 +200,101 @@ fn compile_names_its_two_sources_and_its_archs() {
         &[],
     );
     assert!(e.contains("--arch = sm_80: expected cpu or sm_90a"), "{e}");
+}
+
+#[test]
+fn compile_quotes_the_options_as_given_and_checks_out_before_compiling() {
+    let out = tempfile::tempdir().expect("tempdir");
+    let dir = out.path().join("plans").to_string_lossy().into_owned();
+    let compile = |extra: &[&str], out: &str| {
+        let mut a = vec![
+            "compile",
+            "--config",
+            "configs/flashnext-tiny.json",
+            "--out",
+            out,
+        ];
+        a.extend_from_slice(extra);
+        refused(&a, &[])
+    };
+    // The lone stream the compiler adds is not in the quoted list.
+    let e = compile(&["--streams", "0"], &dir);
+    assert!(e.contains("--streams = [0]: expected"), "{e}");
+    // An --out that is a file is named as such, before any compiling; a bad option leaves --out uncreated.
+    let e = compile(&[], "README.md");
+    assert!(
+        e.contains("--out README.md: a file, not a directory"),
+        "{e}"
+    );
+    assert!(!out.path().join("plans").exists());
+}
+
+#[test]
+fn compile_defaults_to_the_context_run_compiles() {
+    // The bundled model's config says 8192 positions: compile takes them, as run and serve do, with no note.
+    let out = tempfile::tempdir().expect("tempdir");
+    let r = Command::new(env!("CARGO_BIN_EXE_flashplan"))
+        .args([
+            "compile",
+            "--config",
+            "configs/flashnext-tiny.json",
+            "--out",
+        ])
+        .arg(out.path())
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("runs flashplan compile");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&r.stdout),
+        String::from_utf8_lossy(&r.stderr),
+    );
+    assert!(r.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("at context 8192:"), "{stdout}");
+    assert!(!stderr.contains("note:"), "{stderr}");
+}
+
+#[test]
+fn a_folder_without_plans_names_the_command_that_makes_them() {
+    let empty = tempfile::tempdir().expect("tempdir");
+    let e = refused(&["plans", "inspect", &empty.path().to_string_lossy()], &[]);
+    assert!(
+        e.contains("directory holds no plans.fplan (compile it with `flashplan compile --model MODEL_DIR --out"),
+        "{e}"
+    );
+}
+
+#[test]
+fn run_and_bench_name_what_they_expect() {
+    let e = refused(&["run", "--model", "models/flashnext-tiny"], &[]);
+    assert!(
+        e.contains("--prompt <PROMPT>|--prompt-file <PROMPT_FILE>"),
+        "{e}"
+    );
+    let args = run_bundled(&["--stop", ""]);
+    let e = refused(&args.iter().map(String::as_str).collect::<Vec<_>>(), &[]);
+    assert!(e.contains("expected a non-empty stop string"), "{e}");
+    // bench checks its own arguments before it connects anywhere.
+    let e = refused(&["bench", "--temperature", "5"], &[]);
+    assert!(e.contains("--temperature 5: expected 0 to 2"), "{e}");
+    let e = refused(&["bench", "--max-tokens", "0"], &[]);
+    assert!(e.contains("'0' for '--max-tokens"), "{e}");
+}
+
+#[test]
+fn a_seed_without_a_temperature_gets_a_note() {
+    let args = run_bundled(&["--seed", "5", "--max-tokens", "1"]);
+    let out = Command::new(env!("CARGO_BIN_EXE_flashplan"))
+        .args(&args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("FLASHPLAN_BACKEND", "cpu")
+        .output()
+        .expect("runs flashplan run");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("note: --seed has no effect on greedy decoding"),
+        "{stderr}"
+    );
 }
 
 #[test]

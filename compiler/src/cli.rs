@@ -27,7 +27,8 @@ pub struct CompileArgs {
     /// Most drafts per window (verify windows have 1..=N+1 rows).
     #[arg(long, allow_negative_numbers = true, default_value_t = 15)]
     pub max_depth: u32,
-    /// Stream counts with verify and MTP variants (comma-separated).
+    /// Stream counts with verify and MTP variants (comma-separated, each 1 to 256; one stream is always planned
+    /// besides, for prefill and the lone-stream slot).
     #[arg(
         long,
         allow_negative_numbers = true,
@@ -35,9 +36,10 @@ pub struct CompileArgs {
         default_value = "1,2,4,8,16"
     )]
     pub streams: Vec<u32>,
-    /// Context length per slot (tokens).
-    #[arg(long, allow_negative_numbers = true, default_value_t = 32768)]
-    pub context: u64,
+    /// Context length per slot (tokens) [default: 32768, or the positions the model was trained for when fewer,
+    /// as `run` and `serve` compile].
+    #[arg(long, allow_negative_numbers = true)]
+    pub context: Option<u64>,
     /// Prefill chunk rows.
     #[arg(long, allow_negative_numbers = true, default_value_t = 64)]
     pub prefill_chunk: u32,
@@ -65,12 +67,15 @@ pub fn compile(a: CompileArgs) -> anyhow::Result<()> {
         arch: a.arch.unwrap_or_else(crate::detect_arch),
         max_depth: a.max_depth,
         streams: a.streams,
-        context: a.context,
+        context: a.context.unwrap_or_else(|| crate::default_context(&cfg)),
         prefill_chunk: a.prefill_chunk,
     };
     if let Some(note) = crate::context_note(&cfg, opts.context) {
         eprintln!("{note}");
     }
+    // Bad options and a bad --out are refused before any work (and before --out is created).
+    crate::check_options(&opts)?;
+    out_dir(&a.out)?;
     let t = std::time::Instant::now();
     let bar = indicatif::ProgressBar::new(0);
     bar.set_style(
@@ -86,8 +91,8 @@ pub fn compile(a: CompileArgs) -> anyhow::Result<()> {
     .with_context(|| format!("compiling {}", cfg_path.display()))?;
     bar.finish_and_clear();
     let path = a.out.join(PLAN_FILE);
-    set.write_atomic(&path)
-        .with_context(|| format!("writing {}", path.display()))?;
+    // The error names the file.
+    set.write_atomic(&path).context("writing the plans")?;
     let b = &set.body;
     println!(
         "state per slot at context {}: {} ({} bytes), {} slots: {}",
@@ -106,6 +111,17 @@ pub fn compile(a: CompileArgs) -> anyhow::Result<()> {
         t.elapsed().as_secs_f64()
     );
     Ok(())
+}
+
+/// Makes sure `--out` is a directory, creating it (and its parents) when missing, before any compiling.
+fn out_dir(out: &std::path::Path) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        !out.exists() || out.is_dir(),
+        "--out {}: a file, not a directory (expected the directory to receive {PLAN_FILE})",
+        out.display()
+    );
+    std::fs::create_dir_all(out)
+        .with_context(|| format!("--out {}: creating the directory", out.display()))
 }
 
 /// `plans` subcommands.

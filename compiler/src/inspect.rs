@@ -15,7 +15,7 @@ use flashplan_plan::{
 };
 use serde_json::{json, Value};
 
-/// The file name `flashplan-compile` writes inside its output directory.
+/// The file name `flashplan compile` (and `flashplan-compile`) writes inside its output directory.
 pub const PLAN_FILE: &str = "plans.fplan";
 
 const GROUPS: [WeightGroup; 4] = [
@@ -55,7 +55,8 @@ pub fn plan_file(path: &Path) -> anyhow::Result<PathBuf> {
         let f = path.join(PLAN_FILE);
         anyhow::ensure!(
             f.is_file(),
-            "{}: directory holds no {PLAN_FILE} (compile it with flashplan-compile --out {})",
+            "{}: directory holds no {PLAN_FILE} (compile it with `flashplan compile --model MODEL_DIR --out {}`, or \
+             `--config CONFIG_JSON` in place of --model)",
             path.display(),
             path.display()
         );

@@ -133,7 +133,12 @@ pub fn variant_kinds(cfg: &ModelConfig, o: &CompileOptions) -> Vec<VariantKind> 
 /// programmatic dependent launch and are emitted as cubin for it).
 pub const SUPPORTED_ARCHS: &[&str] = &["cpu", "sm_90a"];
 
-fn check_options(o: &CompileOptions) -> Result<(), CompileError> {
+/// Checks compile options as given (before [`compile`] adds the lone stream): the arch, depth, stream counts, context
+/// and prefill chunk in their ranges.
+///
+/// # Errors
+/// [`CompileError::Option`] naming the first option out of range, its value and what is expected.
+pub fn check_options(o: &CompileOptions) -> Result<(), CompileError> {
     let bad = |name, value: String, expected| {
         Err(CompileError::Option {
             name,
@@ -184,6 +189,17 @@ pub const MIN_CONTEXT: u64 = 16;
 /// The largest context per stream a plan set takes (tokens; `--context`).
 pub const MAX_CONTEXT: u64 = 1 << 24;
 
+/// The context per stream when none is asked for (`compile`, `run` and `serve` without `--context`), for a model
+/// trained for at least as many positions ([`default_context`]).
+pub const DEFAULT_CONTEXT: u64 = 32768;
+
+/// The context compiled when `--context` is not given: [`DEFAULT_CONTEXT`], or the positions the model was trained
+/// for when fewer ([`trained_positions`]; vLLM's default `max_model_len` is likewise the model's length), but at
+/// least [`MIN_CONTEXT`].
+pub fn default_context(cfg: &ModelConfig) -> u64 {
+    DEFAULT_CONTEXT.min(trained_positions(cfg)).max(MIN_CONTEXT)
+}
+
 /// The positions the model was trained for: `max_position_embeddings`, or with YaRN RoPE (`rope_type` `yarn`) the
 /// original length times its `factor` when that is more. The original length is `original_max_position_embeddings`,
 /// or `max_position_embeddings` when the config has none (as transformers' `_compute_yarn_parameters` reads it).
@@ -225,12 +241,13 @@ pub fn compile(
     kernel_source_hash: &str,
     mut progress: impl FnMut(usize, usize),
 ) -> Result<PlanSet, CompileError> {
+    // The options as given are checked first, so that an error quotes what the user wrote.
+    check_options(options)?;
     let mut options = options.clone();
     // One stream is always planned: prefill absorbs and lone MTP steps use it.
     options.streams.push(1);
     options.streams.sort_unstable();
     options.streams.dedup();
-    check_options(&options)?;
     let weights = manifest::build_manifest(cfg, forms);
     let max_streams = *options.streams.iter().max().unwrap_or(&1);
     let state = state::build_state(cfg, options.context, max_streams);

@@ -118,8 +118,39 @@ fn plan_for_another_config_or_arch_is_refused() {
     let set = build(&tiny(), 4096);
     set.check_matches(&tiny(), "cpu", None).unwrap();
     match set.check_matches(&real(), "cpu", None) {
-        Err(e @ FormatError::Mismatch { what: "config", .. }) => {
-            assert!(e.to_string().contains("config"), "{e}")
+        Err(FormatError::Mismatch {
+            what: "config",
+            found,
+            expected,
+        }) => {
+            // The fields that size the model come first, whatever their names' order.
+            let (t, r) = (tiny(), real());
+            assert!(
+                found.starts_with(&format!(
+                    "num_hidden_layers = {}, hidden_size = {}, vocab_size = {}, num_experts = {} (and ",
+                    t.num_hidden_layers, t.hidden_size, t.vocab_size, t.num_experts
+                )),
+                "{found}"
+            );
+            assert!(
+                expected.starts_with(&format!(
+                    "num_hidden_layers = {}, hidden_size = {}, vocab_size = {}, num_experts = {} (and ",
+                    r.num_hidden_layers, r.hidden_size, r.vocab_size, r.num_experts
+                )),
+                "{expected}"
+            );
+        }
+        other => panic!("expected a config mismatch, got {other:?}"),
+    }
+    // A long value (the 48 layer types) is cut short.
+    let mut c = tiny();
+    c.layer_types = real().layer_types;
+    match set.check_matches(&c, "cpu", None) {
+        Err(FormatError::Mismatch { expected, .. }) => {
+            let v = expected
+                .strip_prefix("layer_types = ")
+                .expect("layer_types named");
+            assert!(v.ends_with("...") && v.chars().count() == 63, "{expected}");
         }
         other => panic!("expected a config mismatch, got {other:?}"),
     }

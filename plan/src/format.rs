@@ -120,8 +120,30 @@ fn bincode_cfg() -> bincode::config::Configuration {
     bincode::config::standard()
 }
 
-/// The config fields that differ between `plan` and `here` (at most four, by name), as (the plan's values, these
-/// values); `None` when no field differs by value.
+/// The config fields [`config_difference`] names first when they differ: those that size the model, in the order a
+/// reader compares two models (then every other field, by name).
+const SHAPE_FIELDS: &[&str] = &[
+    "num_hidden_layers",
+    "hidden_size",
+    "vocab_size",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "linear_num_value_heads",
+    "linear_num_key_heads",
+    "hc_count",
+    "layer_types",
+    "mtp",
+];
+
+/// The most characters of one value [`config_difference`] prints (a longer one ends in `...`).
+const VALUE_CHARS: usize = 60;
+
+/// The config fields that differ between `plan` and `here` (at most four: the [`SHAPE_FIELDS`] first, then by name),
+/// as (the plan's values, these values); `None` when no field differs by value.
 fn config_difference(
     plan: &crate::ModelConfig,
     here: &crate::ModelConfig,
@@ -132,7 +154,13 @@ fn config_difference(
     );
     let (a, b) = (a.as_object()?, b.as_object()?);
     let mut keys: Vec<&String> = a.keys().chain(b.keys()).collect();
-    keys.sort();
+    let rank = |k: &str| {
+        SHAPE_FIELDS
+            .iter()
+            .position(|f| *f == k)
+            .unwrap_or(SHAPE_FIELDS.len())
+    };
+    keys.sort_by(|x, y| rank(x).cmp(&rank(y)).then(x.cmp(y)));
     keys.dedup();
     let diff: Vec<&String> = keys
         .into_iter()
@@ -150,7 +178,15 @@ fn config_difference(
         let fields: Vec<String> = diff
             .iter()
             .take(4)
-            .map(|k| format!("{k} = {}", m.get(*k).unwrap_or(&serde_json::Value::Null)))
+            .map(|k| {
+                let v = m.get(*k).unwrap_or(&serde_json::Value::Null).to_string();
+                let short = if v.chars().count() > VALUE_CHARS {
+                    v.chars().take(VALUE_CHARS).chain("...".chars()).collect()
+                } else {
+                    v
+                };
+                format!("{k} = {short}")
+            })
             .collect();
         fields.join(", ") + &more
     };
