@@ -626,26 +626,62 @@ fn sigterm_stops_the_server_as_ctrl_c_does() {
     }
 }
 
+/// The bundled model's config.json, tokenizer.json and tokenizer_config.json (no weights) in a folder of its own:
+/// enough for a command that is refused while the tokenizer loads.
+fn tokenizer_copy() -> tempfile::TempDir {
+    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("models/flashnext-tiny");
+    let dir = tempfile::tempdir().expect("tempdir");
+    for f in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(src.join(f), dir.path().join(f)).expect("copy the tokenizer");
+    }
+    dir
+}
+
 #[test]
 fn a_tokenizer_with_ids_past_the_vocabulary_is_refused() {
     // The bundled tokenizer (8192 ids) beside a config whose vocab_size is 4096: refused before anything loads,
     // naming both sizes.
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-    let dir = tempfile::tempdir().expect("tempdir");
-    let src = root.join("models/flashnext-tiny");
+    let dir = tokenizer_copy();
+    let path = dir.path().join("config.json");
     let mut cfg: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).expect("config"))
+        serde_json::from_str(&std::fs::read_to_string(&path).expect("config"))
             .expect("config parses");
     // The bundled config is a bare text config (model_type qwen4_exp_text).
     cfg["vocab_size"] = 4096.into();
-    std::fs::write(dir.path().join("config.json"), cfg.to_string()).expect("write config");
-    for f in ["tokenizer.json", "tokenizer_config.json"] {
-        std::fs::copy(src.join(f), dir.path().join(f)).expect("copy tokenizer");
-    }
+    std::fs::write(&path, cfg.to_string()).expect("write config");
     let model = dir.path().to_string_lossy().into_owned();
     let e = refused(&["run", "--model", &model, "--prompt", "x"], &[]);
     assert!(
         e.contains("vocab_size is 4096") && e.contains("token id 8"),
         "{e}"
     );
+}
+
+#[test]
+fn a_chat_template_that_does_not_parse_refuses_to_start() {
+    // Before: the server started, and answered every chat request a 400 blaming the client's messages.
+    let dir = tokenizer_copy();
+    let jinja = dir.path().join("chat_template.jinja");
+    std::fs::write(&jinja, "BROKEN {{ \n").expect("write the template");
+    let model = dir.path().to_string_lossy().into_owned();
+    let e = refused(
+        &[
+            "serve",
+            "--model",
+            &model,
+            "--plans",
+            "plans/flashnext-tiny",
+            "--port",
+            "0",
+        ],
+        &[],
+    );
+    assert!(
+        e.contains(&format!(
+            "{}: the chat template does not parse: syntax error: unexpected end of input",
+            jinja.display()
+        )) && e.contains("(in chat_template.jinja:1)"),
+        "{e}"
+    );
+    assert!(!e.contains("serving"), "{e}");
 }

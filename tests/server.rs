@@ -1060,3 +1060,71 @@ fn a_full_queue_gets_429_with_retry_after() {
         );
     }
 }
+
+#[test]
+fn a_chat_template_failing_at_render_is_a_500_unless_it_raises() {
+    // The template's `raise_exception` refuses the client's messages (400); any other failure is the template's
+    // own fault (500). Before, both were a 400 naming `messages`.
+    let dir = root().join("models/flashnext-tiny");
+    let tmp = tempfile::tempdir().expect("tempdir");
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(dir.join(f), tmp.path().join(f)).expect("copy the tokenizer");
+    }
+    // A string plus a number fails at render, here only for a message "boom".
+    std::fs::write(
+        tmp.path().join("chat_template.jinja"),
+        "{% if messages[0].role != 'user' %}{{ raise_exception('Conversations must start with a user turn') }}\
+         {% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n\
+         {{ m.content + 1 if m.content == 'boom' else m.content }}<|im_end|>\n{% endfor %}\
+         {% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    )
+    .expect("write the template");
+    let opts = EngineOptions {
+        max_depth: 4,
+        parallel: 1,
+        ..Default::default()
+    };
+    let engine = Engine::new(backend(&dir, plan_for(&dir, &[1], 4, 32, 512)), opts, true);
+    let tok = Arc::new(Tokenizer::from_dir(tmp.path()).expect("tokenizer"));
+    let (_rt, addr) = serve_on_a_free_port(AppState {
+        service: Service::start(engine, tok),
+        model_name: "flashnext-tiny".into(),
+        body_deadline: BODY_DEADLINE,
+        head_deadline: DEFAULT_HEAD_DEADLINE,
+    });
+    let send = |path: &str, role: &str, content: &str| {
+        let mut body = json!({"messages": [{"role": role, "content": content}]});
+        if path != "/tokenize" {
+            body["max_tokens"] = json!(1);
+        }
+        client::request(&addr, "POST", path, Some(&body.to_string())).expect("request")
+    };
+    let ok = send("/v1/chat/completions", "user", "hi");
+    assert_eq!(ok.status, 200, "{}", ok.body);
+    for path in ["/v1/chat/completions", "/tokenize"] {
+        let r = send(path, "assistant", "hi");
+        assert_eq!(r.status, 400, "{path}: {}", r.body);
+        assert_eq!(
+            r.json()["error"],
+            json!({"message": "the chat template refuses these messages: Conversations must start with a user turn",
+                   "type": "invalid_request_error", "param": "messages", "code": null}),
+            "{path}"
+        );
+        let r = send(path, "user", "boom");
+        assert_eq!(r.status, 500, "{path}: {}", r.body);
+        let e = &r.json()["error"];
+        assert_eq!(
+            (&e["type"], &e["param"], &e["code"]),
+            (&json!("server_error"), &Value::Null, &Value::Null),
+            "{path}: {}",
+            r.body
+        );
+        let msg = e["message"].as_str().unwrap_or("");
+        assert!(
+            msg.starts_with(
+                "the model's chat template failed to render these messages: chat template: invalid operation"
+            ) && msg.contains("(in chat_template.jinja:"),
+            "{path}: {msg}"
+        );
+    }
+}

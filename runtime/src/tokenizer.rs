@@ -55,7 +55,20 @@ pub enum TokenizerError {
          chat_template.jinja beside it)"
     )]
     NoChatTemplate,
-    /// The chat template failed to render.
+    /// The chat template does not parse: found when the tokenizer loads, so that a model with a broken template is
+    /// refused at start-up rather than failing every chat request.
+    #[error("{origin}: the chat template does not parse: {message}")]
+    TemplateSyntax {
+        /// Where the template comes from: `chat_template.jinja`'s path, or tokenizer_config.json's with its field.
+        origin: String,
+        /// minijinja's syntax error (with the template's line).
+        message: String,
+    },
+    /// The chat template called `raise_exception`: it refuses these messages (a role order it does not take, say).
+    #[error("the chat template refuses these messages: {0}")]
+    TemplateRaised(String),
+    /// The chat template failed to render for a reason of its own (not a `raise_exception`): a fault of the
+    /// template, not of the messages.
     #[error("chat template: {0}")]
     Template(String),
 }
@@ -106,10 +119,85 @@ fn token_string(v: Option<&serde_json::Value>) -> Option<String> {
     }
 }
 
+/// A chat template, parsed when the tokenizer loads.
+struct ChatTemplate {
+    /// The environment holding the parsed template (trimmed blocks, Python-compatible methods, `raise_exception`).
+    env: minijinja::Environment<'static>,
+    /// The template's name in `env`, which minijinja's errors give with a line: `chat_template.jinja` when it comes
+    /// from that file, `chat_template` from tokenizer_config.json.
+    name: &'static str,
+}
+
+/// The error `raise_exception` raises, as the source of minijinja's error: a render's error that carries it is
+/// the template refusing its messages, any other a fault of the template.
+#[derive(Debug, thiserror::Error)]
+#[error("raised by the chat template")]
+struct Raised;
+
+/// The environment a chat template renders in, as transformers': trimmed blocks, Python-compatible methods, and
+/// `raise_exception`.
+fn template_env() -> minijinja::Environment<'static> {
+    let mut env = minijinja::Environment::new();
+    env.set_trim_blocks(true);
+    env.set_lstrip_blocks(true);
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    minijinja_contrib::add_to_environment(&mut env);
+    env.add_function(
+        "raise_exception",
+        |msg: String| -> Result<String, minijinja::Error> {
+            Err(
+                minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg)
+                    .with_source(Raised),
+            )
+        },
+    );
+    env
+}
+
+impl ChatTemplate {
+    /// Parses `src`, named `name`, from `origin` (for the error).
+    ///
+    /// # Errors
+    /// [`TokenizerError::TemplateSyntax`] with minijinja's syntax error.
+    fn parse(src: String, name: &'static str, origin: String) -> Result<Self, TokenizerError> {
+        let mut env = template_env();
+        env.add_template_owned(name, src)
+            .map_err(|e| TokenizerError::TemplateSyntax {
+                origin,
+                message: e.to_string(),
+            })?;
+        Ok(ChatTemplate { env, name })
+    }
+
+    /// Renders the template with `ctx`.
+    ///
+    /// # Errors
+    /// [`TokenizerError::TemplateRaised`] when the template called `raise_exception`, else
+    /// [`TokenizerError::Template`].
+    fn render(&self, ctx: minijinja::Value) -> Result<String, TokenizerError> {
+        let failed = |e: minijinja::Error| {
+            let mut cause = std::error::Error::source(&e);
+            while let Some(c) = cause {
+                if c.is::<Raised>() {
+                    return TokenizerError::TemplateRaised(
+                        e.detail().unwrap_or_default().to_string(),
+                    );
+                }
+                cause = c.source();
+            }
+            TokenizerError::Template(e.to_string())
+        };
+        self.env
+            .get_template(self.name)
+            .and_then(|t| t.render(ctx))
+            .map_err(failed)
+    }
+}
+
 /// A model's tokenizer with its chat template and special tokens.
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
-    chat_template: Option<String>,
+    chat_template: Option<ChatTemplate>,
     /// The eos token string, if declared.
     pub eos_token: Option<String>,
     /// The bos token string, if declared.
@@ -129,34 +217,38 @@ impl std::fmt::Debug for Tokenizer {
 }
 
 impl Tokenizer {
-    /// Loads `DIR/tokenizer.json` and, when present, `DIR/tokenizer_config.json`.
+    /// Loads `DIR/tokenizer.json` and, when present, `DIR/tokenizer_config.json` and `DIR/chat_template.jinja`.
+    /// The chat template in force is parsed here.
     ///
     /// # Errors
-    /// [`TokenizerError`] naming the file.
+    /// [`TokenizerError`] naming the file (for a template that does not parse, [`TokenizerError::TemplateSyntax`]).
     pub fn from_dir(dir: &Path) -> Result<Self, TokenizerError> {
         let cfg = dir.join("tokenizer_config.json");
-        let mut t = Self::from_files(
-            &dir.join("tokenizer.json"),
-            cfg.exists().then_some(cfg.as_path()),
-        )?;
         // Recent transformers save the template beside the config, as chat_template.jinja, which then comes before
         // the config's `chat_template` (as transformers loads them).
         let jinja = dir.join("chat_template.jinja");
-        if jinja.exists() {
-            let text = std::fs::read_to_string(&jinja).map_err(|cause| TokenizerError::Io {
-                path: jinja.clone(),
-                cause,
-            })?;
-            t.chat_template = Some(text);
-        }
-        Ok(t)
+        Self::load(
+            &dir.join("tokenizer.json"),
+            cfg.exists().then_some(cfg.as_path()),
+            jinja.exists().then_some(jinja.as_path()),
+        )
     }
 
-    /// Loads a `tokenizer.json` and an optional `tokenizer_config.json`.
+    /// Loads a `tokenizer.json` and an optional `tokenizer_config.json`, parsing the config's chat template.
     ///
     /// # Errors
-    /// [`TokenizerError`] naming the file.
+    /// [`TokenizerError`] naming the file (for a template that does not parse, [`TokenizerError::TemplateSyntax`]).
     pub fn from_files(tokenizer: &Path, config: Option<&Path>) -> Result<Self, TokenizerError> {
+        Self::load(tokenizer, config, None)
+    }
+
+    /// [`Tokenizer::from_files`], with the chat template of `jinja` (a `chat_template.jinja`) instead of the config's
+    /// when given. Only the template in force is parsed.
+    fn load(
+        tokenizer: &Path,
+        config: Option<&Path>,
+        jinja: Option<&Path>,
+    ) -> Result<Self, TokenizerError> {
         let bytes = std::fs::read(tokenizer).map_err(|cause| TokenizerError::Io {
             path: tokenizer.to_path_buf(),
             cause,
@@ -173,6 +265,8 @@ impl Tokenizer {
             bos_token: None,
             pad_token: None,
         };
+        // The template's text, its name and where it comes from (for a syntax error).
+        let mut template: Option<(String, &'static str, String)> = None;
         if let Some(cp) = config {
             let text = std::fs::read_to_string(cp).map_err(|cause| TokenizerError::Io {
                 path: cp.to_path_buf(),
@@ -197,7 +291,7 @@ impl Tokenizer {
                 ));
             }
             let templates = "a string, or a list of {\"name\", \"template\"} objects";
-            t.chat_template = match v.get("chat_template") {
+            let text = match v.get("chat_template") {
                 None | Some(serde_json::Value::Null) => None,
                 Some(serde_json::Value::String(s)) => Some(s.clone()),
                 // A list of named templates: take "default", else the first.
@@ -224,10 +318,24 @@ impl Tokenizer {
                     ))
                 }
             };
+            template = text.map(|text| {
+                let origin = format!("{} (its chat_template field)", cp.display());
+                (text, "chat_template", origin)
+            });
             t.eos_token = token_string(v.get("eos_token"));
             t.bos_token = token_string(v.get("bos_token"));
             t.pad_token = token_string(v.get("pad_token"));
         }
+        if let Some(jp) = jinja {
+            let text = std::fs::read_to_string(jp).map_err(|cause| TokenizerError::Io {
+                path: jp.to_path_buf(),
+                cause,
+            })?;
+            template = Some((text, "chat_template.jinja", jp.display().to_string()));
+        }
+        t.chat_template = template
+            .map(|(text, name, origin)| ChatTemplate::parse(text, name, origin))
+            .transpose()?;
         Ok(t)
     }
 
@@ -306,52 +414,24 @@ impl Tokenizer {
     /// `bos_token`, `eos_token`, `pad_token`, and `raise_exception`.
     ///
     /// # Errors
-    /// [`TokenizerError::NoChatTemplate`] or [`TokenizerError::Template`].
+    /// [`TokenizerError::NoChatTemplate`], [`TokenizerError::TemplateRaised`] (the template's `raise_exception`: it
+    /// refuses these messages) or [`TokenizerError::Template`] (any other failure: a fault of the template).
     pub fn apply_chat_template(
         &self,
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String, TokenizerError> {
-        let src = self
-            .chat_template
-            .as_deref()
-            .ok_or(TokenizerError::NoChatTemplate)?;
-        render_template(
-            src,
-            minijinja::context! {
+        self.chat_template
+            .as_ref()
+            .ok_or(TokenizerError::NoChatTemplate)?
+            .render(minijinja::context! {
                 messages => messages,
                 add_generation_prompt => add_generation_prompt,
                 bos_token => self.bos_token.clone().unwrap_or_default(),
                 eos_token => self.eos_token.clone().unwrap_or_default(),
                 pad_token => self.pad_token.clone().unwrap_or_default(),
-            },
-        )
+            })
     }
-}
-
-/// Renders a Jinja chat template the way transformers does (trimmed blocks, Python-compatible methods).
-fn render_template(src: &str, ctx: minijinja::Value) -> Result<String, TokenizerError> {
-    let mut env = minijinja::Environment::new();
-    env.set_trim_blocks(true);
-    env.set_lstrip_blocks(true);
-    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-    minijinja_contrib::add_to_environment(&mut env);
-    env.add_function(
-        "raise_exception",
-        |msg: String| -> Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(
-                minijinja::ErrorKind::InvalidOperation,
-                msg,
-            ))
-        },
-    );
-    env.add_template("chat", src)
-        .map_err(|e| TokenizerError::Template(e.to_string()))?;
-    let tmpl = env
-        .get_template("chat")
-        .map_err(|e| TokenizerError::Template(e.to_string()))?;
-    tmpl.render(ctx)
-        .map_err(|e| TokenizerError::Template(e.to_string()))
 }
 
 /// Incremental detokenization: turns reply tokens into text pieces, emitting each character as soon as it is
@@ -653,8 +733,13 @@ mod tests {
 
     #[test]
     fn pycompat_methods_work() {
-        let out = render_template(
-            "{{ messages[0]['content'].strip().upper() }}{% if messages[0].get('x') is none %}!{% endif %}",
+        let out = ChatTemplate::parse(
+            "{{ messages[0]['content'].strip().upper() }}{% if messages[0].get('x') is none %}!{% endif %}".into(),
+            "chat_template",
+            "test".into(),
+        )
+        .unwrap()
+        .render(
             minijinja::context! { messages => vec![ChatMessage { role: "u".into(), content: "  a b ".into() }] },
         )
         .unwrap();
@@ -831,6 +916,83 @@ mod tests {
         std::fs::remove_file(dir.path().join("chat_template.jinja")).unwrap();
         let t = Tokenizer::from_dir(dir.path()).unwrap();
         assert_eq!(t.apply_chat_template(&[msg], false).unwrap(), "<hi>");
+    }
+
+    #[test]
+    fn a_chat_template_that_does_not_parse_is_refused_at_load_naming_its_file() {
+        // Before: it loaded, and every chat request failed on it (a 400 blaming the client's messages).
+        let dir = tokenizer_dir(Some(
+            r#"{"chat_template": "{% for m in messages %}{{ m.content }}"}"#,
+        ));
+        let e = Tokenizer::from_dir(dir.path()).err().map(|e| e.to_string());
+        let config = dir.path().join("tokenizer_config.json");
+        assert_eq!(
+            e.as_deref(),
+            Some(
+                format!(
+                    "{} (its chat_template field): the chat template does not parse: syntax error: unexpected end \
+                     of input, expected end of block (in chat_template:1)",
+                    config.display()
+                )
+                .as_str()
+            )
+        );
+        // A chat_template.jinja comes before the config's template: only the one in force is parsed.
+        let jinja = dir.path().join("chat_template.jinja");
+        std::fs::write(&jinja, "[{{ messages[0].content }}]").unwrap();
+        let t = Tokenizer::from_dir(dir.path()).unwrap();
+        let msg = ChatMessage {
+            role: "user".into(),
+            content: "hi".into(),
+        };
+        assert_eq!(
+            t.apply_chat_template(std::slice::from_ref(&msg), false)
+                .unwrap(),
+            "[hi]"
+        );
+        std::fs::write(&jinja, "BROKEN {{ \n").unwrap();
+        match Tokenizer::from_dir(dir.path()) {
+            Err(TokenizerError::TemplateSyntax { origin, message }) => {
+                assert_eq!(origin, jinja.display().to_string());
+                assert!(
+                    message.starts_with("syntax error: unexpected end of input")
+                        && message.ends_with("(in chat_template.jinja:1)"),
+                    "{message}"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_template_raising_refuses_the_messages_other_failures_are_the_templates() {
+        let dir = tokenizer_dir(None);
+        std::fs::write(
+            dir.path().join("chat_template.jinja"),
+            "{% if messages[0].role != 'user' %}{{ raise_exception('Conversations must start with a user turn') }}\
+             {% endif %}{% for m in messages %}{{ m.content + 1 }}{% endfor %}",
+        )
+        .unwrap();
+        let t = Tokenizer::from_dir(dir.path()).unwrap();
+        let msg = |role: &str| ChatMessage {
+            role: role.into(),
+            content: "hi".into(),
+        };
+        match t.apply_chat_template(&[msg("assistant")], false) {
+            Err(e @ TokenizerError::TemplateRaised(_)) => assert_eq!(
+                e.to_string(),
+                "the chat template refuses these messages: Conversations must start with a user turn"
+            ),
+            other => panic!("{other:?}"),
+        }
+        // A string plus a number: the template's own fault.
+        match t.apply_chat_template(&[msg("user")], false) {
+            Err(TokenizerError::Template(m)) => assert!(
+                m.starts_with("invalid operation") && m.contains("chat_template.jinja:"),
+                "{m}"
+            ),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

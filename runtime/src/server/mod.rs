@@ -26,6 +26,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::engine::Request;
 use crate::service::{Completion, GenRequest, Service, StreamEvent};
+use crate::tokenizer::TokenizerError;
 use api::{parse_gen, parse_object, GenParams, Prompt};
 pub use error::ApiError;
 
@@ -451,6 +452,24 @@ fn served_model(state: &AppState, model: Option<&str>) -> Result<(), ApiError> {
     }
 }
 
+/// The answer to a chat template that failed on a request's messages. Its `raise_exception` (the template refuses
+/// these messages: a role order it does not take, say) and a model without a chat template are 400s naming
+/// `messages`. Any other failure is the template's own fault, not the client's: a 500 `server_error`, logged. (A
+/// template that does not parse never gets here: the tokenizer refuses it when it loads.)
+fn template_error(e: TokenizerError) -> ApiError {
+    match e {
+        TokenizerError::TemplateRaised(_) | TokenizerError::NoChatTemplate => {
+            ApiError::invalid(Some("messages"), e.to_string())
+        }
+        e => {
+            tracing::error!("the chat template failed to render: {e}");
+            ApiError::internal(format!(
+                "the model's chat template failed to render these messages: {e}"
+            ))
+        }
+    }
+}
+
 /// Encodes a prompt's text, first refusing one that certainly has more tokens than the context holds
 /// ([`Tokenizer::exceeds`]): such a text, up to the 64 MB a body may carry, would otherwise be encoded whole, taking
 /// gigabytes, only to be refused.
@@ -464,7 +483,7 @@ fn encode_within(
     param: &str,
     context: u64,
 ) -> Result<Vec<u32>, ApiError> {
-    let codec = |e: crate::tokenizer::TokenizerError| ApiError::invalid(Some(param), e.to_string());
+    let codec = |e: TokenizerError| ApiError::invalid(Some(param), e.to_string());
     if tok.exceeds(text, context as usize).map_err(codec)? {
         return Err(ApiError::invalid(
             Some(param),
@@ -489,7 +508,7 @@ fn build(state: &AppState, p: &GenParams, chat: bool) -> Result<GenRequest, ApiE
         Prompt::Chat(msgs) => {
             let text = tok
                 .apply_chat_template(msgs, true)
-                .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?;
+                .map_err(template_error)?;
             encode_within(tok, &text, false, "messages", info.context)?
         }
     };
@@ -832,7 +851,7 @@ async fn tokenize(State(state): State<AppState>, body: Result<Bytes, BytesReject
             let add = api::boolean(&m, "add_generation_prompt")?.unwrap_or(true);
             let text = tok
                 .apply_chat_template(&msgs, add)
-                .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?;
+                .map_err(template_error)?;
             encode_within(tok, &text, false, "messages", context)?
         } else {
             match m.get("prompt") {
