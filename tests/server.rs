@@ -487,6 +487,35 @@ fn models_health_metrics_tokenize() {
     let bad = post("/detokenize", &json!({"tokens": [1 << 30]}).to_string());
     assert_eq!(bad.status, 400, "{}", bad.body);
     assert_eq!(bad.json()["error"]["code"], "invalid_token_id");
+    // One of `prompt` and `messages`: both, or neither (a null field is an absent one), is a 400 naming `prompt`.
+    // Before, both silently tokenized the messages.
+    let hi = json!([{"role": "user", "content": "hi"}]);
+    for (body, says) in [
+        (
+            json!({"prompt": "x", "messages": hi}),
+            "give `prompt` (a string) or `messages`, not both",
+        ),
+        (json!({}), "give `prompt` (a string) or `messages`"),
+        (
+            json!({"prompt": null, "messages": null}),
+            "give `prompt` (a string) or `messages`",
+        ),
+    ] {
+        let r = post("/tokenize", &body.to_string());
+        assert_eq!(r.status, 400, "{body}: {}", r.body);
+        assert_eq!(
+            r.json()["error"],
+            json!({"message": says, "type": "invalid_request_error", "param": "prompt", "code": null}),
+            "{body}"
+        );
+    }
+    // A null beside the other field is absent: the other is tokenized.
+    let one = post(
+        "/tokenize",
+        &json!({"prompt": null, "messages": hi, "add_generation_prompt": false}).to_string(),
+    );
+    assert_eq!(one.status, 200, "{}", one.body);
+    assert_eq!(one.json()["tokens"], c.json()["tokens"]);
     // Unknown fields are refused by name, as on the generation endpoints.
     for (path, body) in [
         ("/tokenize", json!({"prompt": "x", "foo": 1})),

@@ -844,7 +844,15 @@ async fn tokenize(State(state): State<AppState>, body: Result<Bytes, BytesReject
         served_model(&state, api::model_field(&m)?.as_deref())?;
         let tok = &state.service.tokenizer;
         let context = state.service.info.context;
-        let ids = if m.contains_key("messages") {
+        // A null field is an absent one, as on the generation endpoints.
+        let given = |k: &str| m.get(k).is_some_and(|v| !v.is_null());
+        if given("prompt") && given("messages") {
+            return Err(ApiError::invalid(
+                Some("prompt"),
+                "give `prompt` (a string) or `messages`, not both",
+            ));
+        }
+        let ids = if given("messages") {
             let Prompt::Chat(msgs) = api::parse_messages(&m)? else {
                 return Err(ApiError::internal("unreachable"));
             };
@@ -854,7 +862,7 @@ async fn tokenize(State(state): State<AppState>, body: Result<Bytes, BytesReject
                 .map_err(template_error)?;
             encode_within(tok, &text, false, "messages", context)?
         } else {
-            match m.get("prompt") {
+            match m.get("prompt").filter(|v| !v.is_null()) {
                 Some(Value::String(s)) => {
                     let add = api::boolean(&m, "add_special_tokens")?.unwrap_or(true);
                     encode_within(tok, s, add, "prompt", context)?
