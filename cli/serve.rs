@@ -51,9 +51,10 @@ pub fn serve(a: ServeArgs) -> anyhow::Result<()> {
         .build()
         .context("starting the tokio runtime")?;
     eprintln!(
-        "serving {} on http://{addr} (context {}, {} streams at once); {} stops",
+        "serving {} on http://{addr} (context {}, max_model_len {}, {} streams at once); {} stops",
         state.model_name,
         state.service.info.context,
+        state.service.info.max_model_len(),
         state.service.info.parallel,
         if cfg!(unix) {
             "Ctrl-C or SIGTERM"

@@ -362,6 +362,12 @@ fn a_request_for_no_tokens_or_past_the_context_is_refused_with_the_room_left() {
             .contains(&format!("at most {room} reply tokens fit")),
         "{err}"
     );
+    // And the most a request may use, prompt and reply together (the server's max_model_len).
+    assert!(
+        err.to_string()
+            .contains("is over the 1008 tokens a request may use"),
+        "{err}"
+    );
     assert!(e
         .submit(req(&p, room, true, SamplingParams::greedy()))
         .is_ok());

@@ -410,6 +410,54 @@ fn bad_requests_get_400_naming_the_problem() {
 }
 
 #[test]
+fn max_model_len_is_the_most_a_request_may_use() {
+    // The test server's context of 512 keeps 9 positions for one verify window (max depth 8 + 1): a request may use
+    // 503 tokens, prompt and max_tokens together. Before, /v1/models answered 512.
+    let m = client::request(server(), "GET", "/v1/models", None).unwrap();
+    assert_eq!(m.json()["data"][0]["max_model_len"], 503, "{}", m.body);
+    let one = client::request(server(), "GET", "/v1/models/flashnext-tiny", None).unwrap();
+    assert_eq!(one.json()["max_model_len"], 503, "{}", one.body);
+    let t = post("/tokenize", &json!({"prompt": "x"}).to_string());
+    assert_eq!(t.json()["max_model_len"], 503, "{}", t.body);
+    let ids = |n: usize| vec![5u32; n];
+    // Exactly at the limit.
+    let r = post(
+        "/v1/completions",
+        &json!({"prompt": ids(502), "max_tokens": 1, "temperature": 0}).to_string(),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["usage"]["total_tokens"], 503, "{}", r.body);
+    // One past it, by max_tokens or by the prompt: refused, saying the limit.
+    let why = "max_model_len: the context of 512 less 9 kept for one verify window";
+    for (body, param, message) in [
+        (
+            json!({"prompt": ids(502), "max_tokens": 2}),
+            "max_tokens",
+            format!(
+                "`max_tokens` 2 does not fit: a request may use at most 503 tokens, the prompt and `max_tokens` \
+                 together ({why}): after the prompt's 502 at most 1 reply tokens"
+            ),
+        ),
+        (
+            json!({"prompt": ids(503)}),
+            "prompt",
+            format!(
+                "the prompt is too long: 503 tokens, and a request may use at most 503, the prompt and at least one \
+                 reply token ({why})"
+            ),
+        ),
+    ] {
+        let r = post("/v1/completions", &body.to_string());
+        assert_eq!(r.status, 400, "{}", r.body);
+        assert_eq!(
+            r.json()["error"],
+            json!({"message": message, "type": "invalid_request_error", "param": param,
+                   "code": "context_length_exceeded"}),
+        );
+    }
+}
+
+#[test]
 fn keeps_serving_while_a_long_request_runs() {
     let addr = server().to_string();
     let long = std::thread::spawn(move || {
@@ -530,6 +578,16 @@ fn models_health_metrics_tokenize() {
     let r = post("/tokenize", &json!({ "prompt": long }).to_string());
     assert_eq!(r.status, 400, "{}", r.body);
     assert_eq!(r.json()["error"]["code"], "context_length_exceeded");
+    let msg = r.json()["error"]["message"]
+        .as_str()
+        .unwrap_or("")
+        .to_string();
+    assert!(
+        msg.starts_with(
+            "the prompt is too long: more than the 503 tokens a request may use (max_model_len:"
+        ),
+        "{msg}"
+    );
     // The `openai` client's models.retrieve: the served model, else a 404.
     let one = client::request(server(), "GET", "/v1/models/flashnext-tiny", None).unwrap();
     assert_eq!(one.status, 200, "{}", one.body);

@@ -186,10 +186,17 @@ impl ReplyStats {
     }
 }
 
+/// The most tokens a request may use, its prompt and reply together, in a context of `context`, which also keeps
+/// one verify window (`max_depth + 1` rows) past the reply: the server's `max_model_len`.
+pub fn request_limit(context: u64, max_depth: u32) -> u64 {
+    context.saturating_sub(max_depth as u64 + 1)
+}
+
 /// The most reply tokens that fit after a prompt of `prompt` tokens in a context of `context`, which also keeps
-/// one verify window (`max_depth + 1` rows) past the reply; 0 when the prompt alone does not fit.
+/// one verify window (`max_depth + 1` rows) past the reply ([`request_limit`] less the prompt); 0 when the prompt
+/// alone does not fit.
 pub fn reply_room(context: u64, prompt: usize, max_depth: u32) -> u64 {
-    context.saturating_sub(prompt as u64 + max_depth as u64 + 1)
+    request_limit(context, max_depth).saturating_sub(prompt as u64)
 }
 
 /// Identifies a stream inside the engine.
@@ -237,8 +244,9 @@ pub enum Event {
 pub enum EngineError {
     /// The prompt and the reply do not fit the context, which also holds one verify window past the reply.
     #[error(
-        "prompt of {prompt} tokens plus max_tokens {max_tokens} does not fit the context of {context} tokens, \
-         which keeps {window} for one verify window (max depth + 1): at most {room} reply tokens fit after this prompt"
+        "prompt of {prompt} tokens plus max_tokens {max_tokens} is over the {limit} tokens a request may use (the \
+         context of {context} tokens less {window} kept for one verify window, max depth + 1): at most {room} reply \
+         tokens fit after this prompt"
     )]
     TooLong {
         /// Prompt tokens.
@@ -249,6 +257,8 @@ pub enum EngineError {
         context: u64,
         /// Positions kept for one verify window past the reply (the engine's max depth + 1).
         window: u64,
+        /// The most tokens a request may use, prompt and reply together ([`request_limit`]).
+        limit: u64,
         /// The most reply tokens that fit after this prompt (0 when the prompt alone does not fit).
         room: u64,
     },
@@ -387,6 +397,7 @@ impl<B: Backend> Engine<B> {
                 max_tokens: req.max_tokens,
                 context,
                 window,
+                limit: request_limit(context, self.opts.max_depth),
                 room,
             });
         }

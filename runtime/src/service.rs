@@ -299,6 +299,14 @@ pub struct ModelInfo {
     pub parallel: u32,
 }
 
+impl ModelInfo {
+    /// The most tokens a request may use, its prompt and `max_tokens` together: the context less one verify window
+    /// ([`crate::engine::request_limit`]). Answered as `max_model_len`; a request past it is refused.
+    pub fn max_model_len(&self) -> u64 {
+        crate::engine::request_limit(self.context, self.max_depth)
+    }
+}
+
 enum Cmd {
     Submit {
         req: Box<GenRequest>,

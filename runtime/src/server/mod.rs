@@ -470,9 +470,18 @@ fn template_error(e: TokenizerError) -> ApiError {
     }
 }
 
-/// Encodes a prompt's text, first refusing one that certainly has more tokens than the context holds
-/// ([`Tokenizer::exceeds`]): such a text, up to the 64 MB a body may carry, would otherwise be encoded whole, taking
-/// gigabytes, only to be refused.
+/// Where [`crate::service::ModelInfo::max_model_len`] comes from, for the `context_length_exceeded` messages.
+fn limit_note(info: &crate::service::ModelInfo) -> String {
+    format!(
+        "max_model_len: the context of {} less {} kept for one verify window",
+        info.context,
+        info.max_depth + 1
+    )
+}
+
+/// Encodes a prompt's text, first refusing one that certainly has more tokens than a request may use
+/// ([`crate::service::ModelInfo::max_model_len`], found by [`Tokenizer::exceeds`]): such a text, up to the 64 MB a
+/// body may carry, would otherwise be encoded whole, taking gigabytes, only to be refused.
 ///
 /// # Errors
 /// 400 `context_length_exceeded` naming `param`; 400 when the tokenizer fails.
@@ -481,14 +490,16 @@ fn encode_within(
     text: &str,
     add_special: bool,
     param: &str,
-    context: u64,
+    info: &crate::service::ModelInfo,
 ) -> Result<Vec<u32>, ApiError> {
     let codec = |e: TokenizerError| ApiError::invalid(Some(param), e.to_string());
-    if tok.exceeds(text, context as usize).map_err(codec)? {
+    let limit = info.max_model_len();
+    if tok.exceeds(text, limit as usize).map_err(codec)? {
         return Err(ApiError::invalid(
             Some(param),
             format!(
-                "the prompt is too long: more than the context's {context} tokens ({} bytes of text)",
+                "the prompt is too long: more than the {limit} tokens a request may use ({}) ({} bytes of text)",
+                limit_note(info),
                 text.len()
             ),
         )
@@ -504,12 +515,12 @@ fn build(state: &AppState, p: &GenParams, chat: bool) -> Result<GenRequest, ApiE
     let info = &state.service.info;
     let ids = match &p.prompt {
         Prompt::Ids(ids) => ids.clone(),
-        Prompt::Text(t) => encode_within(tok, t, true, "prompt", info.context)?,
+        Prompt::Text(t) => encode_within(tok, t, true, "prompt", info)?,
         Prompt::Chat(msgs) => {
             let text = tok
                 .apply_chat_template(msgs, true)
                 .map_err(template_error)?;
-            encode_within(tok, &text, false, "messages", info.context)?
+            encode_within(tok, &text, false, "messages", info)?
         }
     };
     let param = if chat { "messages" } else { "prompt" };
@@ -518,14 +529,16 @@ fn build(state: &AppState, p: &GenParams, chat: bool) -> Result<GenRequest, ApiE
     }
     in_vocab(param, &ids, info.vocab_size).map_err(|e| e.code("invalid_token_id"))?;
     let room = crate::engine::reply_room(info.context, ids.len(), info.max_depth);
+    // The most a request may use, prompt and reply together (what /v1/models answers as `max_model_len`).
+    let limit = info.max_model_len();
+    let why = limit_note(info);
     if room == 0 {
         return Err(ApiError::invalid(
             Some(param),
             format!(
-                "the prompt is too long: {} tokens, and the context holds {} (with {} kept for one verify window and at least one reply token)",
-                ids.len(),
-                info.context,
-                info.max_depth + 1
+                "the prompt is too long: {} tokens, and a request may use at most {limit}, the prompt and at least \
+                 one reply token ({why})",
+                ids.len()
             ),
         )
         .code("context_length_exceeded"));
@@ -535,11 +548,9 @@ fn build(state: &AppState, p: &GenParams, chat: bool) -> Result<GenRequest, ApiE
         return Err(ApiError::invalid(
             Some(k),
             format!(
-                "`{k}` {n} does not fit: the context of {} tokens holds the prompt's {}, {} kept for one verify window \
-                 and at most {room} reply tokens",
-                info.context,
-                ids.len(),
-                info.max_depth + 1
+                "`{k}` {n} does not fit: a request may use at most {limit} tokens, the prompt and `{k}` together \
+                 ({why}): after the prompt's {} at most {room} reply tokens",
+                ids.len()
             ),
         )
         .code("context_length_exceeded"));
@@ -786,7 +797,7 @@ fn model_object(state: &AppState) -> Value {
         "object": "model",
         "created": now(),
         "owned_by": "flashplan",
-        "max_model_len": state.service.info.context,
+        "max_model_len": state.service.info.max_model_len(),
     })
 }
 
@@ -843,7 +854,7 @@ async fn tokenize(State(state): State<AppState>, body: Result<Bytes, BytesReject
         )?;
         served_model(&state, api::model_field(&m)?.as_deref())?;
         let tok = &state.service.tokenizer;
-        let context = state.service.info.context;
+        let info = &state.service.info;
         // A null field is an absent one, as on the generation endpoints.
         let given = |k: &str| m.get(k).is_some_and(|v| !v.is_null());
         if given("prompt") && given("messages") {
@@ -860,12 +871,12 @@ async fn tokenize(State(state): State<AppState>, body: Result<Bytes, BytesReject
             let text = tok
                 .apply_chat_template(&msgs, add)
                 .map_err(template_error)?;
-            encode_within(tok, &text, false, "messages", context)?
+            encode_within(tok, &text, false, "messages", info)?
         } else {
             match m.get("prompt").filter(|v| !v.is_null()) {
                 Some(Value::String(s)) => {
                     let add = api::boolean(&m, "add_special_tokens")?.unwrap_or(true);
-                    encode_within(tok, s, add, "prompt", context)?
+                    encode_within(tok, s, add, "prompt", info)?
                 }
                 Some(v) => {
                     return Err(ApiError::invalid(
@@ -881,7 +892,7 @@ async fn tokenize(State(state): State<AppState>, body: Result<Bytes, BytesReject
                 }
             }
         };
-        Ok(json!({"count": ids.len(), "max_model_len": state.service.info.context, "tokens": ids}))
+        Ok(json!({"count": ids.len(), "max_model_len": info.max_model_len(), "tokens": ids}))
     };
     match blocking(run).await {
         Ok(v) => Json(v).into_response(),
