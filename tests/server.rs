@@ -354,9 +354,16 @@ fn bad_requests_get_400_naming_the_problem() {
             "got 1e-50",
         ),
         (
+            // Past 64 bits: the range, as for -1 (it said "must be an integer, got a number: 1.8446744073709552e19").
             "{\"prompt\": \"a\", \"seed\": 18446744073709551616}".to_string(),
             json!("seed"),
-            "integer",
+            "`seed` must be a 64-bit integer, from -9223372036854775808 to 18446744073709551615, got \
+             1.84467440737096e19",
+        ),
+        (
+            "{\"prompt\": \"a\", \"max_tokens\": 99999999999999999999999}".to_string(),
+            json!("max_tokens"),
+            "`max_tokens` must be from 1 to 4294967295, got 1e23",
         ),
         (
             json!({"prompt": "a", "stop_token_ids": [99_999_999]}).to_string(),

@@ -136,16 +136,56 @@ fn num_in(
     }
 }
 
-/// An optional integer field (any JSON integer: `i64` or `u64`, so that no value wraps).
-fn int(m: &Map<String, Value>, k: &str) -> Result<Option<i128>, ApiError> {
-    match present(m, k) {
-        None => Ok(None),
-        Some(v) => v
-            .as_i64()
-            .map(i128::from)
-            .or_else(|| v.as_u64().map(i128::from))
-            .map(Some)
-            .ok_or_else(|| wrong(k, "an integer", v)),
+/// A JSON number as an integer checked against `range`: `Ok` with an integer in it (any `i64` or `u64` is read
+/// exactly, so that no value wraps), `Err` with the value as a message shows it for a whole number outside it, `None`
+/// for any other value (not a number, or one with a fraction).
+///
+/// A whole number past 64 bits (`99999999999999999999999`) is an `f64` to serde_json, as is one written with an
+/// exponent or a fraction part (`1e30`, `5.0`): outside `range` it is shown as [`shown`] writes it (`1e23`), so
+/// that it gets the range's message as `-1` does; inside `range` it is left to the caller as not an integer.
+fn whole(v: &Value, range: &std::ops::RangeInclusive<i128>) -> Option<Result<i128, String>> {
+    if let Some(n) = v
+        .as_i64()
+        .map(i128::from)
+        .or_else(|| v.as_u64().map(i128::from))
+    {
+        return Some(if range.contains(&n) {
+            Ok(n)
+        } else {
+            Err(n.to_string())
+        });
+    }
+    // A whole f64 converts exactly (one past i128 saturates, outside every range here). Past 2^53 an f64 holds only
+    // some whole numbers, and `-9223372036854775809` reads as i64::MIN: one on a bound of `range` there may have
+    // been written past it, so only one strictly inside counts as in it.
+    let x = v.as_f64().filter(|x| x.fract() == 0.0)?;
+    let n = x as i128;
+    let inside = if x.abs() < 2f64.powi(53) {
+        range.contains(&n)
+    } else {
+        *range.start() < n && n < *range.end()
+    };
+    (!inside).then(|| Err(shown(x)))
+}
+
+/// An optional integer field in `range`; `want` says which values those are (`from 1 to 4294967295`). A whole
+/// number outside it, however large, is a 400 saying `want`; any other value a 400 asking for an integer.
+fn int_in(
+    m: &Map<String, Value>,
+    k: &str,
+    range: std::ops::RangeInclusive<i128>,
+    want: &str,
+) -> Result<Option<i128>, ApiError> {
+    let Some(v) = present(m, k) else {
+        return Ok(None);
+    };
+    match whole(v, &range) {
+        Some(Ok(n)) => Ok(Some(n)),
+        Some(Err(got)) => Err(ApiError::invalid(
+            Some(k),
+            format!("`{k}` must be {want}, got {got}"),
+        )),
+        None => Err(wrong(k, "an integer", v)),
     }
 }
 
@@ -281,19 +321,25 @@ pub fn boolean(m: &Map<String, Value>, k: &str) -> Result<Option<bool>, ApiError
     }
 }
 
-/// Token ids from a JSON array.
+/// Token ids from a JSON array: integers from 0 to `u32::MAX` (a whole number outside them, however large, is
+/// refused with that range, as the integer fields are).
+///
+/// # Errors
+/// 400 naming `k`.
 pub fn token_ids(k: &str, items: &[Value]) -> Result<Vec<u32>, ApiError> {
+    let range = 0..=i128::from(u32::MAX);
     items
         .iter()
-        .map(|v| {
-            v.as_u64()
-                .and_then(|u| u32::try_from(u).ok())
-                .ok_or_else(|| {
-                    ApiError::invalid(
-                        Some(k),
-                        format!("`{k}` token ids must be non-negative integers, got {v}"),
-                    )
-                })
+        .map(|v| match whole(v, &range) {
+            Some(Ok(n)) => Ok(n as u32),
+            Some(Err(got)) => Err(ApiError::invalid(
+                Some(k),
+                format!("`{k}` token ids must be from 0 to {}, got {got}", u32::MAX),
+            )),
+            None => Err(ApiError::invalid(
+                Some(k),
+                format!("`{k}` token ids must be non-negative integers, got {v}"),
+            )),
         })
         .collect()
 }
@@ -468,13 +514,8 @@ pub fn parse_gen(m: &Map<String, Value>, chat: bool) -> Result<GenParams, ApiErr
     };
     let (mut max_tokens, mut max_tokens_field) = (None, "max_tokens");
     for k in ["max_tokens", "max_completion_tokens"] {
-        if let Some(n) = int(m, k)? {
-            if n < 1 || n > i128::from(u32::MAX) {
-                return Err(ApiError::invalid(
-                    Some(k),
-                    format!("`{k}` must be from 1 to {}, got {n}", u32::MAX),
-                ));
-            }
+        let want = format!("from 1 to {}", u32::MAX);
+        if let Some(n) = int_in(m, k, 1..=i128::from(u32::MAX), &want)? {
             if let Some(prev) = max_tokens.filter(|&prev| prev != n as u32) {
                 return Err(ApiError::invalid(
                     Some(k),
@@ -487,14 +528,7 @@ pub fn parse_gen(m: &Map<String, Value>, chat: bool) -> Result<GenParams, ApiErr
             (max_tokens, max_tokens_field) = (Some(n as u32), k);
         }
     }
-    if let Some(n) = int(m, "n")? {
-        if n != 1 {
-            return Err(ApiError::invalid(
-                Some("n"),
-                format!("`n` must be 1 (one choice per request), got {n}"),
-            ));
-        }
-    }
+    int_in(m, "n", 1..=1, "1 (one choice per request)")?;
     // The ranges are checked on the numbers as given: the sampler's `f32` would turn `-1e-50` into an accepted
     // `-0`, `1e-50` into a refused `0` and `1e300` into `inf`.
     let temperature = num_in(
@@ -516,18 +550,14 @@ pub fn parse_gen(m: &Map<String, Value>, chat: bool) -> Result<GenParams, ApiErr
         |p| p > 0.0 && p <= 1.0 && p as f32 > 0.0,
     )?;
     let min_p = num_in(m, "min_p", 0.0, "in [0, 1]", |p| (0.0..=1.0).contains(&p))?;
-    let top_k = match int(m, "top_k")? {
+    let top_k = match int_in(
+        m,
+        "top_k",
+        -1..=i128::from(u32::MAX),
+        &format!("a count in [1, {}], or 0 or -1 for off", u32::MAX),
+    )? {
         None | Some(-1) => 0,
-        Some(k) if (0..=i128::from(u32::MAX)).contains(&k) => k as u32,
-        Some(k) => {
-            return Err(ApiError::invalid(
-                Some("top_k"),
-                format!(
-                    "`top_k` must be a count in [1, {}], or 0 or -1 for off, got {k}",
-                    u32::MAX
-                ),
-            ))
-        }
+        Some(k) => k as u32,
     };
     let sampling = SamplingParams {
         temperature: temperature as f32,
@@ -545,10 +575,15 @@ pub fn parse_gen(m: &Map<String, Value>, chat: bool) -> Result<GenParams, ApiErr
         };
         return Err(ApiError::invalid(Some(param), e.to_string()));
     }
-    // Any 64-bit seed, as OpenAI takes (`int` gives only i64 or u64 values; beyond them a number is not an integer
-    // to serde_json and is refused there): a negative one keys the sampler by its two's-complement bits, which is
-    // what the cast keeps.
-    let seed = int(m, "seed")?.map(|s| s as u64);
+    // Any 64-bit seed, as OpenAI takes: a negative one keys the sampler by its two's-complement bits, which is what
+    // the cast keeps.
+    let seed = int_in(
+        m,
+        "seed",
+        i128::from(i64::MIN)..=i128::from(u64::MAX),
+        &format!("a 64-bit integer, from {} to {}", i64::MIN, u64::MAX),
+    )?
+    .map(|s| s as u64);
     let stop = match present(m, "stop") {
         None => vec![],
         Some(Value::String(s)) => vec![s.clone()],
@@ -843,6 +878,125 @@ mod tests {
         )
         .unwrap();
         assert_eq!(g.seed, Some(u64::MAX));
+    }
+
+    #[test]
+    fn whole_numbers_past_64_bits_get_their_fields_range() {
+        // Before: "`max_tokens` must be an integer, got a number: 1e+23" (serde_json reads an integer past 64 bits
+        // as an f64); now the message of any other value outside the range, as -1 gets.
+        let seed = "a 64-bit integer, from -9223372036854775808 to 18446744073709551615";
+        let top_k = "a count in [1, 4294967295], or 0 or -1 for off";
+        for (field, value, want, got) in [
+            ("max_tokens", "-1", "from 1 to 4294967295", "-1"),
+            (
+                "max_tokens",
+                "99999999999999999999999",
+                "from 1 to 4294967295",
+                "1e23",
+            ),
+            (
+                "max_completion_tokens",
+                "-99999999999999999999999",
+                "from 1 to 4294967295",
+                "-1e23",
+            ),
+            ("max_tokens", "1e30", "from 1 to 4294967295", "1e30"),
+            (
+                "max_tokens",
+                "4294967296.0",
+                "from 1 to 4294967295",
+                "4294967296",
+            ),
+            ("seed", "18446744073709551616", seed, "1.84467440737096e19"),
+            ("seed", "-9223372036854775809", seed, "-9.22337203685478e18"),
+            ("seed", "1e300", seed, "1e300"),
+            ("top_k", "99999999999999999999999", top_k, "1e23"),
+            (
+                "n",
+                "99999999999999999999999",
+                "1 (one choice per request)",
+                "1e23",
+            ),
+            ("n", "2", "1 (one choice per request)", "2"),
+        ] {
+            let body = format!(r#"{{"prompt": "a", "{field}": {value}}}"#);
+            let e = match p(&body, false) {
+                Ok(_) => panic!("{body} was accepted"),
+                Err(e) => e,
+            };
+            assert_eq!(
+                (e.param.as_deref(), e.message.as_str()),
+                (
+                    Some(field),
+                    format!("`{field}` must be {want}, got {got}").as_str()
+                ),
+                "{body}"
+            );
+        }
+        // Token ids likewise, in the prompt and stop_token_ids.
+        for (body, param, got) in [
+            (
+                r#"{"prompt": [1, 99999999999999999999999]}"#,
+                "prompt",
+                "1e23",
+            ),
+            (r#"{"prompt": [4294967296]}"#, "prompt", "4294967296"),
+            (r#"{"prompt": [-1]}"#, "prompt", "-1"),
+            (
+                r#"{"prompt": "a", "stop_token_ids": [18446744073709551616]}"#,
+                "stop_token_ids",
+                "1.84467440737096e19",
+            ),
+        ] {
+            let e = match p(body, false) {
+                Ok(_) => panic!("{body} was accepted"),
+                Err(e) => e,
+            };
+            assert_eq!(
+                (e.param.as_deref(), e.message.as_str()),
+                (
+                    Some(param),
+                    format!("`{param}` token ids must be from 0 to 4294967295, got {got}").as_str()
+                ),
+                "{body}"
+            );
+        }
+        // A number with a fraction, or a whole one written as a float inside the range, is still not an integer.
+        for (field, value) in [
+            ("max_tokens", "2.5"),
+            ("max_tokens", "5.0"),
+            ("seed", "1e3"),
+        ] {
+            let body = format!(r#"{{"prompt": "a", "{field}": {value}}}"#);
+            let e = match p(&body, false) {
+                Ok(_) => panic!("{body} was accepted"),
+                Err(e) => e,
+            };
+            assert!(
+                e.message
+                    .starts_with(&format!("`{field}` must be an integer, got a number")),
+                "{body}: {}",
+                e.message
+            );
+        }
+        let e = match p(r#"{"prompt": [1, 2.5]}"#, false) {
+            Ok(_) => panic!("a fractional token id was accepted"),
+            Err(e) => e,
+        };
+        assert_eq!(
+            e.message,
+            "`prompt` token ids must be non-negative integers, got 2.5"
+        );
+        // The bounds themselves are taken.
+        let g = p(
+            r#"{"prompt": [4294967295], "max_tokens": 4294967295, "seed": -9223372036854775808, "top_k": 4294967295}"#,
+            false,
+        )
+        .unwrap();
+        assert_eq!(
+            (g.max_tokens, g.seed, g.sampling.top_k),
+            (Some(u32::MAX), Some(i64::MIN as u64), u32::MAX)
+        );
     }
 
     #[test]
