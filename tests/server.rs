@@ -366,6 +366,12 @@ fn bad_requests_get_400_naming_the_problem() {
             "`max_tokens` must be from 1 to 4294967295, got 1e23",
         ),
         (
+            json!({"prompt": "a", "stream": false, "stream_options": {"include_usage": true}})
+                .to_string(),
+            json!("stream_options"),
+            "`stream_options` is only allowed when `stream` is true",
+        ),
+        (
             json!({"prompt": "a", "stop_token_ids": [99_999_999]}).to_string(),
             json!("stop_token_ids"),
             "outside the vocabulary",

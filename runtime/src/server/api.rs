@@ -645,6 +645,14 @@ pub fn parse_gen(m: &Map<String, Value>, chat: bool) -> Result<GenParams, ApiErr
         }
         Some(v) => return Err(wrong("stream_options", "an object", v)),
     };
+    let stream = boolean(m, "stream")?.unwrap_or(false);
+    // OpenAI's rule: the options of a stream come only with one (a null `stream_options` is an absent one).
+    if !stream && present(m, "stream_options").is_some() {
+        return Err(ApiError::invalid(
+            Some("stream_options"),
+            "`stream_options` is only allowed when `stream` is true",
+        ));
+    }
     // `logprobs` (a boolean in chat, a count in completions) and `echo` only when off.
     for k in ["logprobs", "echo"] {
         match present(m, k) {
@@ -670,7 +678,7 @@ pub fn parse_gen(m: &Map<String, Value>, chat: bool) -> Result<GenParams, ApiErr
         stop,
         stop_token_ids,
         ignore_eos: boolean(m, "ignore_eos")?.unwrap_or(false),
-        stream: boolean(m, "stream")?.unwrap_or(false),
+        stream,
         include_usage,
         draft: boolean(m, "draft")?.unwrap_or(true),
     })
@@ -828,7 +836,7 @@ mod tests {
                 {"role": "assistant", "content": null, "tool_calls": [], "annotations": null,
                  "refusal": null, "audio": null, "function_call": null, "future_field": null},
                 {"role": "tool", "content": "4", "tool_call_id": "c1"}],
-                "stream_options": {"include_usage": true, "include_obfuscation": false}}"#,
+                "stream": true, "stream_options": {"include_usage": true, "include_obfuscation": false}}"#,
             true
         )
         .is_ok());
@@ -878,6 +886,45 @@ mod tests {
         )
         .unwrap();
         assert_eq!(g.seed, Some(u64::MAX));
+    }
+
+    #[test]
+    fn stream_options_only_with_a_stream() {
+        // Before: accepted (and unused) without `stream`, where OpenAI answers 400.
+        for body in [
+            r#"{"prompt": "a", "stream": false, "stream_options": {"include_usage": true}}"#,
+            r#"{"prompt": "a", "stream_options": {"include_usage": false}}"#,
+            r#"{"prompt": "a", "stream": null, "stream_options": {}}"#,
+        ] {
+            let e = match p(body, false) {
+                Ok(_) => panic!("{body} was accepted"),
+                Err(e) => e,
+            };
+            assert_eq!(
+                (
+                    e.status.as_u16(),
+                    e.kind,
+                    e.param.as_deref(),
+                    e.message.as_str()
+                ),
+                (
+                    400,
+                    "invalid_request_error",
+                    Some("stream_options"),
+                    "`stream_options` is only allowed when `stream` is true"
+                ),
+                "{body}"
+            );
+        }
+        // With a stream, or a null `stream_options` (an absent one) without, it is taken.
+        let g = p(
+            r#"{"prompt": "a", "stream": true, "stream_options": {"include_usage": true}}"#,
+            false,
+        )
+        .unwrap();
+        assert!(g.stream && g.include_usage);
+        let g = p(r#"{"prompt": "a", "stream_options": null}"#, false).unwrap();
+        assert!(!g.stream && !g.include_usage);
     }
 
     #[test]
