@@ -62,8 +62,10 @@ def main():
     cw = client.chat.completions.create(messages=messages, **common)
     ctext = cw.choices[0].message.content
     csha = extra(cw, "flashplan")["token_sha"]
-    cpieces, csha_s = [], None
+    cpieces, csha_s, with_usage = [], None, 0
     for chunk in client.chat.completions.create(messages=messages, stream=True, **common):
+        # model_fields_set holds the keys the chunk's JSON had (a null one included).
+        with_usage += "usage" in chunk.model_fields_set
         if chunk.choices and chunk.choices[0].delta.content:
             cpieces.append(chunk.choices[0].delta.content)
         fp = extra(chunk, "flashplan")
@@ -71,6 +73,7 @@ def main():
             csha_s = fp["token_sha"]
     check("chat: streamed text == non-streamed text", "".join(cpieces) == ctext, repr(ctext[:40]))
     check("chat: streamed token_sha", csha_s == csha)
+    check("chat: without include_usage no chunk has a usage key", with_usage == 0, f"{with_usage} chunks had one")
     # With include_usage: the usage chunk (no choices) comes last and carries the flashplan block, once.
     chunks = list(
         client.chat.completions.create(

@@ -82,7 +82,8 @@ fn post(path: &str, body: &str) -> client::Response {
 
 /// The streamed text, the final flashplan block and usage of a streamed request. Checks the chunks' shape: the
 /// `flashplan` block comes once, in the usage chunk (`choices` empty) with `stream_options.include_usage`, where
-/// every other chunk has `"usage": null` (OpenAI's rule), else in the chunk with the finish reason.
+/// every other chunk has `"usage": null` (OpenAI's rule), else in the chunk with the finish reason, no chunk then
+/// having a `usage` key.
 fn post_stream(path: &str, body: &Value) -> (String, Value, Value) {
     let include_usage = body["stream_options"]["include_usage"] == json!(true);
     let mut text = String::new();
@@ -116,9 +117,13 @@ fn post_stream(path: &str, body: &Value) -> (String, Value, Value) {
         if let Some(t) = c["text"].as_str().or(c["delta"]["content"].as_str()) {
             text.push_str(t);
         }
-        if include_usage {
-            assert!(v.get("usage").is_some(), "a chunk without `usage`: {v}");
-        }
+        // Every chunk has the same shape: with include_usage each has `usage` (null but in the usage chunk),
+        // without it none has the key (the chunk with the finish reason had `"usage": null`).
+        assert_eq!(
+            v.get("usage").is_some(),
+            include_usage,
+            "`usage` in a chunk with include_usage {include_usage}: {v}"
+        );
         if !v["flashplan"].is_null() {
             blocks += 1;
             fp = v["flashplan"].clone();
@@ -172,6 +177,9 @@ fn completion_streamed_equals_whole_and_draft_false() {
 
     let mut sb = body.clone();
     sb["stream"] = json!(true);
+    let (stext, fp, _) = post_stream("/v1/completions", &sb);
+    assert_eq!(stext, text);
+    assert_eq!(fp["token_sha"].as_str(), Some(sha.as_str()));
     sb["stream_options"] = json!({"include_usage": true});
     let (stext, fp, usage) = post_stream("/v1/completions", &sb);
     assert_eq!(stext, text);

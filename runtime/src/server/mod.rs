@@ -731,9 +731,9 @@ fn sse_response(
             }
             Some(StreamEvent::Done(c)) => {
                 // The reply's `flashplan` statistics come once: in the usage chunk when there is one, else in the
-                // chunk that ends the choice.
-                let extra = (!st.include_usage)
-                    .then(|| json!({"usage": null, "flashplan": flashplan_block(&c)}));
+                // chunk that ends the choice (which, as every chunk of a stream without `include_usage`, has no
+                // `usage` key).
+                let extra = (!st.include_usage).then(|| json!({"flashplan": flashplan_block(&c)}));
                 let fin = st.chunk(
                     if st.chat { None } else { Some("") },
                     Some(json!(c.finish_reason)),
