@@ -371,6 +371,31 @@ fn a_request_for_no_tokens_or_past_the_context_is_refused_with_the_room_left() {
     assert!(e
         .submit(req(&p, room, true, SamplingParams::greedy()))
         .is_ok());
+    // One reply token of room: the singular.
+    let long: Vec<u32> = p.iter().copied().cycle().take(1007).collect();
+    let err = e
+        .submit(req(&long, 2, true, SamplingParams::greedy()))
+        .expect_err("two tokens past a room of one");
+    assert!(
+        err.to_string()
+            .ends_with("at most 1 reply token fits after this prompt"),
+        "{err}"
+    );
+    // A prompt that leaves no room for one reply token is called too long.
+    let err = e
+        .submit(req(
+            &[long.as_slice(), &p[..1]].concat(),
+            1,
+            true,
+            SamplingParams::greedy(),
+        ))
+        .expect_err("a prompt of the whole limit");
+    assert!(
+        err.to_string().starts_with(
+            "the prompt is too long: 1008 tokens, where a request may use at most 1008 (the context of 1024 tokens"
+        ),
+        "{err}"
+    );
 }
 
 #[test]

@@ -239,15 +239,42 @@ pub enum Event {
     },
 }
 
+/// The message of [`EngineError::TooLong`]: a prompt that leaves no room for one reply token is called too long;
+/// otherwise the message says how many reply tokens fit after it.
+fn too_long_text(
+    prompt: usize,
+    max_tokens: u32,
+    context: u64,
+    window: u64,
+    limit: u64,
+    room: u64,
+) -> String {
+    let why = format!(
+        "the context of {context} tokens less {window} kept for one verify window, max depth + 1"
+    );
+    if room == 0 {
+        format!(
+            "the prompt is too long: {prompt} tokens, where a request may use at most {limit} ({why}), prompt and \
+             at least one reply token together"
+        )
+    } else {
+        let fit = if room == 1 {
+            "token fits"
+        } else {
+            "tokens fit"
+        };
+        format!(
+            "prompt of {prompt} tokens plus max_tokens {max_tokens} is over the {limit} tokens a request may use \
+             ({why}): at most {room} reply {fit} after this prompt"
+        )
+    }
+}
+
 /// Errors of the engine.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
     /// The prompt and the reply do not fit the context, which also holds one verify window past the reply.
-    #[error(
-        "prompt of {prompt} tokens plus max_tokens {max_tokens} is over the {limit} tokens a request may use (the \
-         context of {context} tokens less {window} kept for one verify window, max depth + 1): at most {room} reply \
-         tokens fit after this prompt"
-    )]
+    #[error("{}", too_long_text(*.prompt, *.max_tokens, *.context, *.window, *.limit, *.room))]
     TooLong {
         /// Prompt tokens.
         prompt: usize,
