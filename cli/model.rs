@@ -414,6 +414,12 @@ pub fn load(a: &ModelArgs) -> anyhow::Result<Loaded> {
     let tokenizer = Tokenizer::from_dir(&a.model)
         .with_context(|| format!("loading the tokenizer of {}", a.model.display()))?;
     check_tokenizer_fits(&a.model, &cfg, &tokenizer)?;
+    if let Some(e) = tokenizer.chat_template_error() {
+        eprintln!(
+            "warning: {e}; chat requests will fail (a 500 from the server, an error from `run --chat`), completions \
+             are served"
+        );
+    }
     let (backend, has_mtp, _) = load_backend(
         &a.model,
         a.plans.as_deref(),

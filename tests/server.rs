@@ -456,7 +456,7 @@ fn max_model_len_is_the_most_a_request_may_use() {
             "max_tokens",
             format!(
                 "`max_tokens` 2 does not fit: a request may use at most 503 tokens, the prompt and `max_tokens` \
-                 together ({why}): after the prompt's 502 at most 1 reply tokens"
+                 together ({why}): after the prompt's 502 at most 1 reply token"
             ),
         ),
         (
@@ -605,7 +605,8 @@ fn models_health_metrics_tokenize() {
         .to_string();
     assert!(
         msg.starts_with(
-            "the prompt is too long: more than the 503 tokens a request may use (max_model_len:"
+            "the prompt is too long: 2000000 bytes of text, more than the 503 tokens a request may use \
+             (max_model_len:"
         ),
         "{msg}"
     );
@@ -1165,6 +1166,55 @@ fn a_full_queue_gets_429_with_retry_after() {
             [&("retry-after".to_string(), "1".to_string())],
             "{:?}",
             r.headers
+        );
+    }
+}
+
+#[test]
+fn a_chat_template_that_does_not_parse_fails_chat_requests_alone() {
+    // The model serves completions; chat requests (and /tokenize of messages) get a 500 naming the template's
+    // file and the syntax error, the model's fault, not the client's.
+    let dir = root().join("models/flashnext-tiny");
+    let tmp = tempfile::tempdir().expect("tempdir");
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(dir.join(f), tmp.path().join(f)).expect("copy the tokenizer");
+    }
+    let jinja = tmp.path().join("chat_template.jinja");
+    std::fs::write(&jinja, "BROKEN {{ \n").expect("write the template");
+    let opts = EngineOptions {
+        max_depth: 4,
+        parallel: 1,
+        ..Default::default()
+    };
+    let engine = Engine::new(backend(&dir, plan_for(&dir, &[1], 4, 32, 512)), opts, true);
+    let tok = Arc::new(Tokenizer::from_dir(tmp.path()).expect("the tokenizer loads"));
+    let (_rt, addr) = serve_on_a_free_port(AppState {
+        service: Service::start(engine, tok),
+        model_name: "flashnext-tiny".into(),
+        body_deadline: BODY_DEADLINE,
+        head_deadline: DEFAULT_HEAD_DEADLINE,
+    });
+    let body = json!({"prompt": "x", "max_tokens": 1}).to_string();
+    let r = client::request(&addr, "POST", "/v1/completions", Some(&body)).expect("request");
+    assert_eq!(r.status, 200, "{}", r.body);
+    for path in ["/v1/chat/completions", "/tokenize"] {
+        let body = json!({"messages": [{"role": "user", "content": "hi"}]}).to_string();
+        let r = client::request(&addr, "POST", path, Some(&body)).expect("request");
+        assert_eq!(r.status, 500, "{path}: {}", r.body);
+        let e = &r.json()["error"];
+        assert_eq!(
+            (&e["type"], &e["param"], &e["code"]),
+            (&json!("server_error"), &Value::Null, &Value::Null),
+            "{path}: {}",
+            r.body
+        );
+        let msg = e["message"].as_str().unwrap_or("");
+        assert!(
+            msg.starts_with(&format!(
+                "the model's chat template cannot be used: {}: the chat template does not parse: syntax error",
+                jinja.display()
+            )),
+            "{path}: {msg}"
         );
     }
 }

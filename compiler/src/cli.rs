@@ -70,12 +70,16 @@ pub fn compile(a: CompileArgs) -> anyhow::Result<()> {
         context: a.context.unwrap_or_else(|| crate::default_context(&cfg)),
         prefill_chunk: a.prefill_chunk,
     };
+    // Bad options and an --out that is a file are refused before any work; write_atomic creates --out.
+    crate::check_options(&opts)?;
+    anyhow::ensure!(
+        !a.out.exists() || a.out.is_dir(),
+        "--out {}: a file, not a directory (expected the directory to receive {PLAN_FILE})",
+        a.out.display()
+    );
     if let Some(note) = crate::context_note(&cfg, opts.context) {
         eprintln!("{note}");
     }
-    // Bad options and a bad --out are refused before any work (and before --out is created).
-    crate::check_options(&opts)?;
-    out_dir(&a.out)?;
     let t = std::time::Instant::now();
     let bar = indicatif::ProgressBar::new(0);
     bar.set_style(
@@ -111,17 +115,6 @@ pub fn compile(a: CompileArgs) -> anyhow::Result<()> {
         t.elapsed().as_secs_f64()
     );
     Ok(())
-}
-
-/// Makes sure `--out` is a directory, creating it (and its parents) when missing, before any compiling.
-fn out_dir(out: &std::path::Path) -> anyhow::Result<()> {
-    anyhow::ensure!(
-        !out.exists() || out.is_dir(),
-        "--out {}: a file, not a directory (expected the directory to receive {PLAN_FILE})",
-        out.display()
-    );
-    std::fs::create_dir_all(out)
-        .with_context(|| format!("--out {}: creating the directory", out.display()))
 }
 
 /// `plans` subcommands.

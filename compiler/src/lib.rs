@@ -82,7 +82,7 @@ pub fn default_options(arch: &str) -> CompileOptions {
         arch: arch.to_string(),
         max_depth: 15,
         streams: vec![1, 2, 4, 8, 16],
-        context: 32768,
+        context: DEFAULT_CONTEXT,
         prefill_chunk: 64,
     }
 }
@@ -160,7 +160,8 @@ pub fn check_options(o: &CompileOptions) -> Result<(), CompileError> {
             "an integer in 0..=63",
         );
     }
-    if o.streams.is_empty() || o.streams.iter().any(|&s| s == 0 || s > 256) {
+    // An empty list plans the lone stream alone (compile adds it to every list).
+    if o.streams.iter().any(|&s| s == 0 || s > 256) {
         return bad(
             "--streams",
             format!("{:?}", o.streams),

@@ -343,7 +343,10 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), FormatError> {
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir).map_err(io)?;
+    std::fs::create_dir_all(dir).map_err(|cause| FormatError::Io {
+        path: dir.to_path_buf(),
+        cause,
+    })?;
     let name = path
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())

@@ -55,8 +55,9 @@ pub enum TokenizerError {
          chat_template.jinja beside it)"
     )]
     NoChatTemplate,
-    /// The chat template does not parse: found when the tokenizer loads, so that a model with a broken template is
-    /// refused at start-up rather than failing every chat request.
+    /// The chat template does not parse. Found when the tokenizer loads ([`Tokenizer::chat_template_error`], which
+    /// the commands print as a warning at start-up); the load goes on, so that completions are served, and every use
+    /// of the template returns this error.
     #[error("{origin}: the chat template does not parse: {message}")]
     TemplateSyntax {
         /// Where the template comes from: `chat_template.jinja`'s path, or tokenizer_config.json's with its field.
@@ -154,18 +155,67 @@ fn template_env() -> minijinja::Environment<'static> {
     env
 }
 
+/// A template with transformers' `{% generation %}` ... `{% endgeneration %}` tags (its `AssistantTracker`
+/// extension, which renders the body as it stands and only records where assistant text falls) written as
+/// `{% if true %}` ... `{% endif %}`, which render the same text; each tag's whitespace control (`-`, `+`) is kept,
+/// so the text around it is trimmed as before. minijinja knows no such tag.
+fn generation_tags_as_blocks(src: &str) -> std::borrow::Cow<'_, str> {
+    if !src.contains("generation") {
+        return std::borrow::Cow::Borrowed(src);
+    }
+    let mut out = String::with_capacity(src.len());
+    let mut rest = src;
+    while let Some(at) = rest.find("{%") {
+        out.push_str(&rest[..at]);
+        rest = &rest[at..];
+        match generation_tag(rest) {
+            Some((len, left, end, right)) => {
+                out.push_str("{%");
+                out.extend(left);
+                out.push_str(if end { " endif " } else { " if true " });
+                out.extend(right);
+                out.push_str("%}");
+                rest = &rest[len..];
+            }
+            None => {
+                out.push_str("{%");
+                rest = &rest[2..];
+            }
+        }
+    }
+    out.push_str(rest);
+    std::borrow::Cow::Owned(out)
+}
+
+/// The tag `s` starts with, when it is a `generation` or `endgeneration` tag: its length in bytes, its left
+/// whitespace control, whether it is the end tag, and its right whitespace control.
+fn generation_tag(s: &str) -> Option<(usize, Option<char>, bool, Option<char>)> {
+    let inner = s.strip_prefix("{%")?;
+    let close = inner.find("%}")?;
+    let body = &inner[..close];
+    let control = |c: Option<char>| c.filter(|c| matches!(c, '-' | '+'));
+    let left = control(body.chars().next());
+    let body = &body[left.map_or(0, char::len_utf8)..];
+    let right = control(body.chars().last());
+    let body = &body[..body.len() - right.map_or(0, char::len_utf8)];
+    let end = match body.trim() {
+        "generation" => false,
+        "endgeneration" => true,
+        _ => return None,
+    };
+    Some((2 + close + 2, left, end, right))
+}
+
 impl ChatTemplate {
-    /// Parses `src`, named `name`, from `origin` (for the error).
+    /// Parses `src`, named `name`, with transformers' `generation` tags read as plain blocks
+    /// ([`generation_tags_as_blocks`]).
     ///
     /// # Errors
-    /// [`TokenizerError::TemplateSyntax`] with minijinja's syntax error.
-    fn parse(src: String, name: &'static str, origin: String) -> Result<Self, TokenizerError> {
+    /// minijinja's syntax error, as text (with the template's name and line).
+    fn parse(src: &str, name: &'static str) -> Result<Self, String> {
         let mut env = template_env();
-        env.add_template_owned(name, src)
-            .map_err(|e| TokenizerError::TemplateSyntax {
-                origin,
-                message: e.to_string(),
-            })?;
+        env.add_template_owned(name, generation_tags_as_blocks(src).into_owned())
+            .map_err(|e| e.to_string())?;
         Ok(ChatTemplate { env, name })
     }
 
@@ -197,7 +247,8 @@ impl ChatTemplate {
 /// A model's tokenizer with its chat template and special tokens.
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
-    chat_template: Option<ChatTemplate>,
+    /// The chat template in force: parsed, or where it comes from and why it does not parse.
+    chat_template: Option<Result<ChatTemplate, (String, String)>>,
     /// The eos token string, if declared.
     pub eos_token: Option<String>,
     /// The bos token string, if declared.
@@ -218,10 +269,11 @@ impl std::fmt::Debug for Tokenizer {
 
 impl Tokenizer {
     /// Loads `DIR/tokenizer.json` and, when present, `DIR/tokenizer_config.json` and `DIR/chat_template.jinja`.
-    /// The chat template in force is parsed here.
+    /// The chat template in force is parsed here; one that does not parse is kept as its error
+    /// ([`Tokenizer::chat_template_error`]), and the load goes on.
     ///
     /// # Errors
-    /// [`TokenizerError`] naming the file (for a template that does not parse, [`TokenizerError::TemplateSyntax`]).
+    /// [`TokenizerError`] naming the file: an unreadable or malformed tokenizer.json or tokenizer_config.json.
     pub fn from_dir(dir: &Path) -> Result<Self, TokenizerError> {
         let cfg = dir.join("tokenizer_config.json");
         // Recent transformers save the template beside the config, as chat_template.jinja, which then comes before
@@ -237,7 +289,7 @@ impl Tokenizer {
     /// Loads a `tokenizer.json` and an optional `tokenizer_config.json`, parsing the config's chat template.
     ///
     /// # Errors
-    /// [`TokenizerError`] naming the file (for a template that does not parse, [`TokenizerError::TemplateSyntax`]).
+    /// [`TokenizerError`] naming the file: an unreadable or malformed tokenizer.json or tokenizer_config.json.
     pub fn from_files(tokenizer: &Path, config: Option<&Path>) -> Result<Self, TokenizerError> {
         Self::load(tokenizer, config, None)
     }
@@ -334,8 +386,7 @@ impl Tokenizer {
             template = Some((text, "chat_template.jinja", jp.display().to_string()));
         }
         t.chat_template = template
-            .map(|(text, name, origin)| ChatTemplate::parse(text, name, origin))
-            .transpose()?;
+            .map(|(text, name, origin)| ChatTemplate::parse(&text, name).map_err(|m| (origin, m)));
         Ok(t)
     }
 
@@ -355,9 +406,21 @@ impl Tokenizer {
         self.inner.token_to_id(token)
     }
 
-    /// True when the tokenizer config has a chat template.
+    /// True when the tokenizer config has a chat template (one that parses or not).
     pub fn has_chat_template(&self) -> bool {
         self.chat_template.is_some()
+    }
+
+    /// Why the chat template in force cannot be used: [`TokenizerError::TemplateSyntax`] naming its file and
+    /// minijinja's syntax error; `None` when it parses or there is none.
+    pub fn chat_template_error(&self) -> Option<TokenizerError> {
+        match &self.chat_template {
+            Some(Err((origin, message))) => Some(TokenizerError::TemplateSyntax {
+                origin: origin.clone(),
+                message: message.clone(),
+            }),
+            _ => None,
+        }
     }
 
     /// Encodes text. Special tokens written in the text (`<|im_start|>`) become their ids; `add_special_tokens`
@@ -414,23 +477,30 @@ impl Tokenizer {
     /// `bos_token`, `eos_token`, `pad_token`, and `raise_exception`.
     ///
     /// # Errors
-    /// [`TokenizerError::NoChatTemplate`], [`TokenizerError::TemplateRaised`] (the template's `raise_exception`: it
+    /// [`TokenizerError::NoChatTemplate`], [`TokenizerError::TemplateSyntax`] (it does not parse:
+    /// [`Tokenizer::chat_template_error`]), [`TokenizerError::TemplateRaised`] (the template's `raise_exception`: it
     /// refuses these messages) or [`TokenizerError::Template`] (any other failure: a fault of the template).
     pub fn apply_chat_template(
         &self,
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String, TokenizerError> {
-        self.chat_template
-            .as_ref()
-            .ok_or(TokenizerError::NoChatTemplate)?
-            .render(minijinja::context! {
-                messages => messages,
-                add_generation_prompt => add_generation_prompt,
-                bos_token => self.bos_token.clone().unwrap_or_default(),
-                eos_token => self.eos_token.clone().unwrap_or_default(),
-                pad_token => self.pad_token.clone().unwrap_or_default(),
-            })
+        let template = match &self.chat_template {
+            None => return Err(TokenizerError::NoChatTemplate),
+            Some(Ok(t)) => t,
+            Some(Err(_)) => {
+                return Err(self
+                    .chat_template_error()
+                    .unwrap_or(TokenizerError::NoChatTemplate))
+            }
+        };
+        template.render(minijinja::context! {
+            messages => messages,
+            add_generation_prompt => add_generation_prompt,
+            bos_token => self.bos_token.clone().unwrap_or_default(),
+            eos_token => self.eos_token.clone().unwrap_or_default(),
+            pad_token => self.pad_token.clone().unwrap_or_default(),
+        })
     }
 }
 
@@ -734,9 +804,8 @@ mod tests {
     #[test]
     fn pycompat_methods_work() {
         let out = ChatTemplate::parse(
-            "{{ messages[0]['content'].strip().upper() }}{% if messages[0].get('x') is none %}!{% endif %}".into(),
+            "{{ messages[0]['content'].strip().upper() }}{% if messages[0].get('x') is none %}!{% endif %}",
             "chat_template",
-            "test".into(),
         )
         .unwrap()
         .render(
@@ -919,40 +988,45 @@ mod tests {
     }
 
     #[test]
-    fn a_chat_template_that_does_not_parse_is_refused_at_load_naming_its_file() {
-        // Before: it loaded, and every chat request failed on it (a 400 blaming the client's messages).
+    fn a_chat_template_that_does_not_parse_is_named_at_load_and_when_used() {
+        // Before: every chat request failed on it with a 400 blaming the client's messages. The load goes on (the
+        // model serves completions); the error names the file, and every use of the template returns it.
         let dir = tokenizer_dir(Some(
             r#"{"chat_template": "{% for m in messages %}{{ m.content }}"}"#,
         ));
-        let e = Tokenizer::from_dir(dir.path()).err().map(|e| e.to_string());
+        let t = Tokenizer::from_dir(dir.path()).expect("the load goes on");
         let config = dir.path().join("tokenizer_config.json");
-        assert_eq!(
-            e.as_deref(),
-            Some(
-                format!(
-                    "{} (its chat_template field): the chat template does not parse: syntax error: unexpected end \
-                     of input, expected end of block (in chat_template:1)",
-                    config.display()
-                )
-                .as_str()
-            )
+        let says = format!(
+            "{} (its chat_template field): the chat template does not parse: syntax error: unexpected end of input, \
+             expected end of block (in chat_template:1)",
+            config.display()
         );
-        // A chat_template.jinja comes before the config's template: only the one in force is parsed.
-        let jinja = dir.path().join("chat_template.jinja");
-        std::fs::write(&jinja, "[{{ messages[0].content }}]").unwrap();
-        let t = Tokenizer::from_dir(dir.path()).unwrap();
+        assert_eq!(
+            t.chat_template_error().map(|e| e.to_string()),
+            Some(says.clone())
+        );
         let msg = ChatMessage {
             role: "user".into(),
             content: "hi".into(),
         };
+        match t.apply_chat_template(std::slice::from_ref(&msg), false) {
+            Err(e @ TokenizerError::TemplateSyntax { .. }) => assert_eq!(e.to_string(), says),
+            other => panic!("{other:?}"),
+        }
+        assert!(!t.encode("hi", false).expect("encodes").is_empty());
+        // A chat_template.jinja comes before the config's template: only the one in force is parsed.
+        let jinja = dir.path().join("chat_template.jinja");
+        std::fs::write(&jinja, "[{{ messages[0].content }}]").unwrap();
+        let t = Tokenizer::from_dir(dir.path()).unwrap();
+        assert!(t.chat_template_error().is_none());
         assert_eq!(
             t.apply_chat_template(std::slice::from_ref(&msg), false)
                 .unwrap(),
             "[hi]"
         );
         std::fs::write(&jinja, "BROKEN {{ \n").unwrap();
-        match Tokenizer::from_dir(dir.path()) {
-            Err(TokenizerError::TemplateSyntax { origin, message }) => {
+        match Tokenizer::from_dir(dir.path()).map(|t| t.chat_template_error()) {
+            Ok(Some(TokenizerError::TemplateSyntax { origin, message })) => {
                 assert_eq!(origin, jinja.display().to_string());
                 assert!(
                     message.starts_with("syntax error: unexpected end of input")
@@ -963,6 +1037,38 @@ mod tests {
             other => panic!("{other:?}"),
         }
     }
+
+    #[test]
+    fn templates_render_with_loop_controls_and_generation_tags_as_transformers_does() {
+        // transformers renders chat templates with jinja2's loopcontrols extension and its own `generation` tag
+        // (whose body renders unchanged). The expected text is jinja2 3.1.6's, in that environment (trim_blocks,
+        // lstrip_blocks, loopcontrols and a `generation` extension rendering its body as transformers'
+        // AssistantTracker does), for these messages and add_generation_prompt: whitespace control on the tags
+        // (`-`, `+`, none), a tag without spaces, `break` and `continue`.
+        let dir = tokenizer_dir(None);
+        std::fs::write(dir.path().join("chat_template.jinja"), TEMPLATE).unwrap();
+        let t = Tokenizer::from_dir(dir.path()).unwrap();
+        assert!(t.chat_template_error().is_none());
+        let msg = |role: &str, content: &str| ChatMessage {
+            role: role.into(),
+            content: content.into(),
+        };
+        let messages = [
+            msg("user", "hi"),
+            msg("assistant", "ok"),
+            msg("user", "more"),
+            msg("assistant", "dropped"),
+        ];
+        assert_eq!(t.apply_chat_template(&messages, true).unwrap(), EXPECTED);
+        // A tag-like text that is not a generation tag is left alone.
+        assert_eq!(
+            generation_tags_as_blocks("{% if x %}generation{% endif %}"),
+            "{% if x %}generation{% endif %}"
+        );
+    }
+
+    const TEMPLATE: &str = "{% for m in messages %}{% if loop.index > 3 %}{% break %}{% endif %}{% if m.role == \"user\" and loop.index > 1 %}{% continue %}{% endif %}<|im_start|>{{ m.role }}\n{% if m.role == \"assistant\" %}  {%- generation -%}\n  [{{ m.content }}]\n  {%- endgeneration %}  {%generation%}+{%endgeneration%}\n{%+ generation +%} x {% endgeneration -%}\n  {% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+    const EXPECTED: &str = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n[ok]  + x <|im_end|>\n<|im_start|>assistant\n";
 
     #[test]
     fn a_template_raising_refuses_the_messages_other_failures_are_the_templates() {

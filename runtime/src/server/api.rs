@@ -25,7 +25,7 @@ pub struct GenParams {
     pub model: Option<String>,
     /// The prompt.
     pub prompt: Prompt,
-    /// `max_tokens` / `max_completion_tokens`; `None`: the rest of the context.
+    /// `max_tokens` / `max_completion_tokens`; `None`: all that `max_model_len` leaves after the prompt.
     pub max_tokens: Option<u32>,
     /// Which of the two fields gave `max_tokens` (for errors).
     pub max_tokens_field: &'static str,

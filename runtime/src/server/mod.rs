@@ -454,12 +454,15 @@ fn served_model(state: &AppState, model: Option<&str>) -> Result<(), ApiError> {
 
 /// The answer to a chat template that failed on a request's messages. Its `raise_exception` (the template refuses
 /// these messages: a role order it does not take, say) and a model without a chat template are 400s naming
-/// `messages`. Any other failure is the template's own fault, not the client's: a 500 `server_error`, logged. (A
-/// template that does not parse never gets here: the tokenizer refuses it when it loads.)
+/// `messages`. Any other failure is the template's own fault, not the client's: a 500 `server_error`, logged, or
+/// for a template that does not parse (warned about at start-up) a 500 naming its file and the syntax error.
 fn template_error(e: TokenizerError) -> ApiError {
     match e {
         TokenizerError::TemplateRaised(_) | TokenizerError::NoChatTemplate => {
             ApiError::invalid(Some("messages"), e.to_string())
+        }
+        TokenizerError::TemplateSyntax { .. } => {
+            ApiError::internal(format!("the model's chat template cannot be used: {e}"))
         }
         e => {
             tracing::error!("the chat template failed to render: {e}");
@@ -498,9 +501,9 @@ fn encode_within(
         return Err(ApiError::invalid(
             Some(param),
             format!(
-                "the prompt is too long: more than the {limit} tokens a request may use ({}) ({} bytes of text)",
-                limit_note(info),
-                text.len()
+                "the prompt is too long: {} bytes of text, more than the {limit} tokens a request may use ({})",
+                text.len(),
+                limit_note(info)
             ),
         )
         .code("context_length_exceeded"));
@@ -549,8 +552,9 @@ fn build(state: &AppState, p: &GenParams, chat: bool) -> Result<GenRequest, ApiE
             Some(k),
             format!(
                 "`{k}` {n} does not fit: a request may use at most {limit} tokens, the prompt and `{k}` together \
-                 ({why}): after the prompt's {} at most {room} reply tokens",
-                ids.len()
+                 ({why}): after the prompt's {} at most {room} reply {}",
+                ids.len(),
+                if room == 1 { "token" } else { "tokens" }
             ),
         )
         .code("context_length_exceeded"));
