@@ -386,8 +386,10 @@ fn check_tokenizer_fits(
     Ok(())
 }
 
-/// Loads plans, checkpoint and tokenizer, and builds the engine.
-pub fn load(a: &ModelArgs) -> anyhow::Result<Loaded> {
+/// Loads plans, checkpoint and tokenizer, and builds the engine. `chat`: the command renders the chat template
+/// (`run --chat`), so a template that does not parse is an error here, before the backend loads; otherwise it is a
+/// warning (completions are served).
+pub fn load(a: &ModelArgs, chat: bool) -> anyhow::Result<Loaded> {
     anyhow::ensure!(
         (0.0..=1.0).contains(&a.confidence),
         "--confidence {}: expected a probability in [0, 1]",
@@ -415,6 +417,9 @@ pub fn load(a: &ModelArgs) -> anyhow::Result<Loaded> {
         .with_context(|| format!("loading the tokenizer of {}", a.model.display()))?;
     check_tokenizer_fits(&a.model, &cfg, &tokenizer)?;
     if let Some(e) = tokenizer.chat_template_error() {
+        if chat {
+            return Err(e.into());
+        }
         eprintln!(
             "warning: {e}; chat requests will fail (a 500 from the server, an error from `run --chat`), completions \
              are served"

@@ -214,7 +214,7 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     if a.seed.is_some() && a.temperature == 0.0 {
         eprintln!("note: --seed has no effect on greedy decoding (--temperature 0)");
     }
-    let mut m = load(&a.model)?;
+    let mut m = load(&a.model, a.chat)?;
     let prompt = prompt_ids(&m.tokenizer, &text, a.chat)?;
     let mut stop_token_ids = Vec::new();
     if a.chat {

@@ -29,7 +29,7 @@ pub struct ServeArgs {
 
 /// Loads the model and starts the engine thread.
 pub fn start(a: &ModelArgs, name: Option<String>) -> anyhow::Result<AppState> {
-    let m = load(a)?;
+    let m = load(a, false)?;
     let service = Service::start(m.engine, m.tokenizer);
     Ok(AppState {
         service,

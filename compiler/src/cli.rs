@@ -70,13 +70,21 @@ pub fn compile(a: CompileArgs) -> anyhow::Result<()> {
         context: a.context.unwrap_or_else(|| crate::default_context(&cfg)),
         prefill_chunk: a.prefill_chunk,
     };
-    // Bad options and an --out that is a file are refused before any work; write_atomic creates --out.
+    // Bad options and an --out that is, or lies under, a file are refused before any work; write_atomic makes the
+    // folders --out lacks.
     crate::check_options(&opts)?;
-    anyhow::ensure!(
-        !a.out.exists() || a.out.is_dir(),
-        "--out {}: a file, not a directory (expected the directory to receive {PLAN_FILE})",
-        a.out.display()
-    );
+    if let Some(file) = a
+        .out
+        .ancestors()
+        .find(|p| p.exists())
+        .filter(|p| !p.is_dir())
+    {
+        anyhow::bail!(
+            "--out {}: {} is a file, not a directory (expected the directory to receive {PLAN_FILE})",
+            a.out.display(),
+            file.display()
+        );
+    }
     if let Some(note) = crate::context_note(&cfg, opts.context) {
         eprintln!("{note}");
     }

@@ -158,7 +158,10 @@ fn template_env() -> minijinja::Environment<'static> {
 /// A template with transformers' `{% generation %}` ... `{% endgeneration %}` tags (its `AssistantTracker`
 /// extension, which renders the body as it stands and only records where assistant text falls) written as
 /// `{% if true %}` ... `{% endif %}`, which render the same text; each tag's whitespace control (`-`, `+`) is kept,
-/// so the text around it is trimmed as before. minijinja knows no such tag.
+/// so the text around it is trimmed as before, and each newline inside a tag, so that minijinja's errors give the
+/// template's own line numbers. minijinja knows no such tag. Where this differs from transformers: a `{% set %}`
+/// inside the body is seen after it (jinja2 renders the body in a scope of its own), and tag text inside a string
+/// or a `{% raw %}` block is rewritten too.
 fn generation_tags_as_blocks(src: &str) -> std::borrow::Cow<'_, str> {
     if !src.contains("generation") {
         return std::borrow::Cow::Borrowed(src);
@@ -172,7 +175,9 @@ fn generation_tags_as_blocks(src: &str) -> std::borrow::Cow<'_, str> {
             Some((len, left, end, right)) => {
                 out.push_str("{%");
                 out.extend(left);
-                out.push_str(if end { " endif " } else { " if true " });
+                out.push_str(if end { " endif" } else { " if true" });
+                out.extend(rest[..len].matches('\n'));
+                out.push(' ');
                 out.extend(right);
                 out.push_str("%}");
                 rest = &rest[len..];
@@ -214,8 +219,18 @@ impl ChatTemplate {
     /// minijinja's syntax error, as text (with the template's name and line).
     fn parse(src: &str, name: &'static str) -> Result<Self, String> {
         let mut env = template_env();
-        env.add_template_owned(name, generation_tags_as_blocks(src).into_owned())
-            .map_err(|e| e.to_string())?;
+        let text = generation_tags_as_blocks(src);
+        let rewritten = matches!(text, std::borrow::Cow::Owned(_));
+        env.add_template_owned(name, text.into_owned())
+            .map_err(|e| {
+                let note = if rewritten {
+                    " (its `{% generation %}` and `{% endgeneration %}` tags are read as `{% if true %}` and \
+                     `{% endif %}`)"
+                } else {
+                    ""
+                };
+                format!("{e}{note}")
+            })?;
         Ok(ChatTemplate { env, name })
     }
 
@@ -237,10 +252,18 @@ impl ChatTemplate {
             }
             TokenizerError::Template(e.to_string())
         };
-        self.env
-            .get_template(self.name)
-            .and_then(|t| t.render(ctx))
-            .map_err(failed)
+        // minijinja 2.24 panics on some templates that jinja2 renders (a `{% break %}` inside a `{% with %}`
+        // block inside a loop): a fault of the template, reported as one.
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.env.get_template(self.name).and_then(|t| t.render(ctx))
+        }))
+        .map_err(|_| {
+            TokenizerError::Template(format!(
+                "the template engine (minijinja) failed on the {} template for these messages",
+                self.name
+            ))
+        })?
+        .map_err(failed)
     }
 }
 
@@ -488,10 +511,11 @@ impl Tokenizer {
         let template = match &self.chat_template {
             None => return Err(TokenizerError::NoChatTemplate),
             Some(Ok(t)) => t,
-            Some(Err(_)) => {
-                return Err(self
-                    .chat_template_error()
-                    .unwrap_or(TokenizerError::NoChatTemplate))
+            Some(Err((origin, message))) => {
+                return Err(TokenizerError::TemplateSyntax {
+                    origin: origin.clone(),
+                    message: message.clone(),
+                })
             }
         };
         template.render(minijinja::context! {
@@ -1060,6 +1084,26 @@ mod tests {
             msg("assistant", "dropped"),
         ];
         assert_eq!(t.apply_chat_template(&messages, true).unwrap(), EXPECTED);
+        // A tag over several lines keeps them, so that an error gives the template's own line; a failure to parse
+        // says how the tags were read.
+        std::fs::write(
+            dir.path().join("chat_template.jinja"),
+            "{%\n generation\n%}x{% endgeneration %}\n{{ broken",
+        )
+        .unwrap();
+        let e = Tokenizer::from_dir(dir.path())
+            .unwrap()
+            .chat_template_error();
+        match e {
+            Some(TokenizerError::TemplateSyntax { message, .. }) => assert!(
+                message.ends_with(
+                    "(in chat_template.jinja:4) (its `{% generation %}` and `{% endgeneration %}` tags are read as \
+                     `{% if true %}` and `{% endif %}`)"
+                ),
+                "{message}"
+            ),
+            other => panic!("{other:?}"),
+        }
         // A tag-like text that is not a generation tag is left alone.
         assert_eq!(
             generation_tags_as_blocks("{% if x %}generation{% endif %}"),
@@ -1099,6 +1143,33 @@ mod tests {
             ),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn a_template_the_engine_panics_on_is_a_fault_of_the_template() {
+        // minijinja 2.24 panics on a `break` inside a `with` inside a loop (jinja2 renders "12"): the render's
+        // error, not the caller's panic.
+        let dir = tokenizer_dir(None);
+        std::fs::write(
+            dir.path().join("chat_template.jinja"),
+            "{% for m in messages %}{% with %}{{ m.content }}{% if loop.index == 2 %}{% break %}{% endif %}\
+             {% endwith %}{% endfor %}",
+        )
+        .unwrap();
+        let t = Tokenizer::from_dir(dir.path()).unwrap();
+        let msg = |c: &str| ChatMessage {
+            role: "user".into(),
+            content: c.into(),
+        };
+        match t.apply_chat_template(&[msg("1"), msg("2"), msg("3")], false) {
+            Err(TokenizerError::Template(m)) => assert_eq!(
+                m,
+                "the template engine (minijinja) failed on the chat_template.jinja template for these messages"
+            ),
+            other => panic!("{other:?}"),
+        }
+        // One message never reaches the break: rendered.
+        assert_eq!(t.apply_chat_template(&[msg("1")], false).unwrap(), "1");
     }
 
     #[test]

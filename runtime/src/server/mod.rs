@@ -461,9 +461,11 @@ fn template_error(e: TokenizerError) -> ApiError {
         TokenizerError::TemplateRaised(_) | TokenizerError::NoChatTemplate => {
             ApiError::invalid(Some("messages"), e.to_string())
         }
-        TokenizerError::TemplateSyntax { .. } => {
-            ApiError::internal(format!("the model's chat template cannot be used: {e}"))
-        }
+        // The message without the template's path on the server (the start-up warning names it); minijinja's
+        // gives the template's name and line.
+        TokenizerError::TemplateSyntax { message, .. } => ApiError::internal(format!(
+            "the model's chat template cannot be used: it does not parse: {message}"
+        )),
         e => {
             tracing::error!("the chat template failed to render: {e}");
             ApiError::internal(format!(
