@@ -175,6 +175,16 @@ pub fn check_options(o: &CompileOptions) -> Result<(), CompileError> {
             "a context length in 16..=16777216 tokens",
         );
     }
+    // A request needs a prompt token and a reply token besides the verify window every stream keeps past its reply
+    // (max depth + 1 rows): a shorter context would serve no request.
+    if o.context < o.max_depth as u64 + 3 {
+        return bad(
+            "--context",
+            format!("{} with --max-depth {}", o.context, o.max_depth),
+            "at least max depth + 3 tokens: one verify window of max depth + 1 rows past a prompt token and a reply \
+             token",
+        );
+    }
     if o.prefill_chunk == 0 || o.prefill_chunk > 4096 {
         return bad(
             "--prefill-chunk",

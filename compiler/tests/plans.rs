@@ -530,6 +530,35 @@ fn bad_options_are_refused() {
             ),
         }
     }
+    // A context must hold one verify window (max depth + 1 rows) past a prompt token and a reply token: else the
+    // plans would serve no request (their max_model_len below 2).
+    for (context, max_depth, ok) in [
+        (17, 15, false),
+        (18, 15, true),
+        (63, 61, false),
+        (64, 61, true),
+    ] {
+        let mut o = default_options("cpu");
+        o.context = context;
+        o.streams = vec![1];
+        o.max_depth = max_depth;
+        match compile(&c, &o, &FormSource::default(), "none", |_, _| {}) {
+            Ok(_) => assert!(ok, "context {context} at depth {max_depth} was accepted"),
+            Err(e) => {
+                assert!(
+                    !ok,
+                    "context {context} at depth {max_depth} was refused: {e}"
+                );
+                assert_eq!(
+                    e.to_string(),
+                    format!(
+                        "option --context = {context} with --max-depth {max_depth}: expected at least max depth + 3 \
+                         tokens: one verify window of max depth + 1 rows past a prompt token and a reply token"
+                    )
+                );
+            }
+        }
+    }
 }
 
 #[test]
