@@ -739,11 +739,21 @@ impl ModelConfig {
                 "false (Flash Next has an untied lm_head)",
             ));
         }
-        if self.rms_norm_eps <= 0.0 {
+        // The kernels and the CPU reference add it in f32: a value f32 rounds to 0 or infinity would not be this
+        // config's norm.
+        let eps32 = self.rms_norm_eps as f32;
+        if !(self.rms_norm_eps > 0.0 && eps32 > 0.0 && eps32.is_finite()) {
             return Err(field_err(
                 "rms_norm_eps",
                 self.rms_norm_eps,
-                "a positive number",
+                "a positive number that f32 holds (about 1e-45 to 3e38; the norms run in f32)",
+            ));
+        }
+        if self.max_position_embeddings == 0 {
+            return Err(field_err(
+                "max_position_embeddings",
+                self.max_position_embeddings,
+                "a positive number of positions",
             ));
         }
         Ok(())
@@ -811,6 +821,14 @@ fn parse_rope(v: Option<&Value>, r: &Reader) -> Result<RopeConfig, ConfigError> 
             "rope_parameters.partial_rotary_factor",
             partial,
             "a number in (0, 1]",
+        ));
+    }
+    // transformers' rope validation requires `factor` for yarn (a KeyError without it).
+    if rope_type == "yarn" && rr.obj.get("factor").is_none_or(Value::is_null) {
+        return Err(field_err(
+            "rope_parameters.factor",
+            "absent",
+            "the YaRN scaling factor, which rope_type yarn requires (as transformers does)",
         ));
     }
     let factor = rr.float("factor", 1.0)?;

@@ -373,6 +373,38 @@ fn refuses_token_ids_outside_the_vocabulary() {
 }
 
 #[test]
+fn refuses_an_eps_f32_cannot_hold_a_zero_length_and_yarn_without_its_factor() {
+    // The norms add eps in f32: 1e39 would be infinity there, 1e-50 zero.
+    for eps in [json!(1e39), json!(1e300), json!(1e-50)] {
+        refused(set("rms_norm_eps", eps), "rms_norm_eps");
+    }
+    refused(
+        set("max_position_embeddings", json!(0)),
+        "max_position_embeddings",
+    );
+    for factor in [None, Some(Value::Null)] {
+        refused(
+            |o| {
+                let r = o["rope_parameters"].as_object_mut().unwrap();
+                match factor {
+                    None => {
+                        r.remove("factor");
+                    }
+                    Some(v) => {
+                        r.insert("factor".into(), v);
+                    }
+                }
+            },
+            "rope_parameters.factor",
+        );
+    }
+    // The real config's own values stay accepted, and so does a small eps f32 holds.
+    let mut v = real_text();
+    v["rms_norm_eps"] = json!(1e-30);
+    assert!(ModelConfig::from_json(&v).is_ok());
+}
+
+#[test]
 fn refuses_a_rotary_base_that_is_not_positive() {
     for theta in [json!(0), json!(-1.0)] {
         refused(

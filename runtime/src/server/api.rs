@@ -260,6 +260,10 @@ fn quoted(names: &[&str]) -> String {
 fn check_fields(m: &Map<String, Value>, chat: bool) -> Result<(), ApiError> {
     let prompt = if chat { "messages" } else { "prompt" };
     for (k, v) in m {
+        // `user` is read by no one here, but OpenAI takes only a string.
+        if k == "user" && !(v.is_string() || v.is_null()) {
+            return Err(wrong(k, "a string", v));
+        }
         if k == prompt
             || FIELDS.contains(&k.as_str())
             || IGNORED.contains(&k.as_str())
@@ -653,11 +657,11 @@ pub fn parse_gen(m: &Map<String, Value>, chat: bool) -> Result<GenParams, ApiErr
             "`stream_options` is only allowed when `stream` is true",
         ));
     }
-    // `logprobs` (a boolean in chat, a count in completions) and `echo` only when off.
+    // `logprobs` (a boolean in chat, a count in completions) and `echo` only when off. A count of 0 is not off: the
+    // completions API then returns the sampled tokens' log probabilities.
     for k in ["logprobs", "echo"] {
         match present(m, k) {
             None | Some(Value::Bool(false)) => {}
-            Some(v) if v.as_f64() == Some(0.0) && k == "logprobs" => {}
             Some(v @ (Value::Bool(true) | Value::Number(_))) => {
                 return Err(ApiError::invalid(
                     Some(k),
@@ -736,6 +740,8 @@ mod tests {
             (r#"{"prompt": "a", "seed": 1.5}"#, Some("seed")),
             (r#"{"prompt": "a", "echo": "yes"}"#, Some("echo")),
             (r#"{"prompt": "a", "logprobs": 2}"#, Some("logprobs")),
+            (r#"{"prompt": "a", "logprobs": 0}"#, Some("logprobs")),
+            (r#"{"prompt": "a", "user": 5}"#, Some("user")),
             (
                 r#"{"prompt": "a", "reasoning_effort": "low"}"#,
                 Some("reasoning_effort"),
