@@ -144,12 +144,17 @@ pub enum CheckpointError {
         tensor: String,
     },
     /// A safetensors file could not be parsed (bad header, or a header that claims more bytes than the file has).
-    #[error("{file}: not a valid safetensors file, truncated or corrupt ({cause})")]
+    #[error(
+        "{file}: not a valid safetensors file, truncated or corrupt ({cause}){}",
+        .detail.as_ref().map_or(String::new(), |d| format!(": {d}"))
+    )]
     Safetensors {
         /// The file.
         file: PathBuf,
         /// The safetensors crate's error (in the message, as `Io`'s).
         cause: SafeTensorError,
+        /// Which tensor is at fault and what its dtype and shape need (`safetensors_check::explain`), when found.
+        detail: Option<String>,
     },
     /// The shard index places a tensor in a file that does not contain it.
     #[error("{index} places tensor {tensor} in {file}, which has no such tensor")]
@@ -750,10 +755,7 @@ fn open_files(dir: &Path) -> Result<Opened, CheckpointError> {
     if single.is_file() {
         let shard = map_file(single)?;
         let st =
-            SafeTensors::deserialize(&shard.map).map_err(|cause| CheckpointError::Safetensors {
-                file: shard.path.clone(),
-                cause,
-            })?;
+            SafeTensors::deserialize(&shard.map).map_err(|cause| not_safetensors(&shard, cause))?;
         let names = st.names().into_iter().map(|n| (n.to_string(), 0)).collect();
         return Ok(Opened {
             shards: vec![shard],
@@ -764,6 +766,15 @@ fn open_files(dir: &Path) -> Result<Opened, CheckpointError> {
     Err(CheckpointError::NoCheckpoint {
         dir: dir.to_path_buf(),
     })
+}
+
+/// The error for a shard the safetensors crate refuses, with what [`crate::safetensors_check::explain`] finds.
+fn not_safetensors(shard: &Shard, cause: SafeTensorError) -> CheckpointError {
+    CheckpointError::Safetensors {
+        file: shard.path.clone(),
+        cause,
+        detail: crate::safetensors_check::explain(&shard.map),
+    }
 }
 
 /// Refuses a tensor stored in a shard the index does not name for it as well as in the named one (`disk`: on-disk
@@ -817,12 +828,7 @@ pub fn load_checkpoint(
     } = open_files(dir)?;
     let mut parsed: Vec<SafeTensors<'_>> = Vec::with_capacity(shards.len());
     for s in &shards {
-        parsed.push(SafeTensors::deserialize(&s.map).map_err(|cause| {
-            CheckpointError::Safetensors {
-                file: s.path.clone(),
-                cause,
-            }
-        })?);
+        parsed.push(SafeTensors::deserialize(&s.map).map_err(|cause| not_safetensors(s, cause))?);
     }
     // On-disk name -> (file, view).
     let mut disk: BTreeMap<String, (usize, TensorView<'_>)> = BTreeMap::new();

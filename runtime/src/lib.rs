@@ -12,6 +12,7 @@ pub mod cuda;
 pub mod engine;
 pub mod fp8;
 pub mod mxfp8;
+mod safetensors_check;
 pub mod sampler;
 pub mod server;
 pub mod service;

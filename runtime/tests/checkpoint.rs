@@ -716,6 +716,53 @@ fn truncated_shard_is_refused() {
     std::fs::write(dir.path().join(file), &bytes[..bytes.len() - 1000]).unwrap();
     let msg = refusal(dir.path(), &body);
     assert!(msg.contains(file) && msg.contains("truncated"), "{msg}");
+    // The tensor whose bytes the cut took is named.
+    assert!(
+        msg.contains("past the")
+            && msg.contains("bytes the file holds after its header (truncated?)"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn a_header_whose_dtype_disagrees_with_its_offsets_names_the_tensor() {
+    // The safetensors crate says only "invalid shape, data type, or offset for tensor"; the refusal names the
+    // tensor and the bytes its dtype and shape need.
+    let Some(src) = tiny() else { return };
+    let body = plan();
+    let dir = copy_of(&src);
+    let name = "model.layers.7.attn_hyper_connection.hc_norm.weight";
+    let file = file_of(dir.path(), name);
+    let path = dir.path().join(&file);
+    let bytes = std::fs::read(&path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let mut header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    header[name]["dtype"] = "F32".into();
+    let shape = header[name]["shape"].clone();
+    let offsets = header[name]["data_offsets"].clone();
+    let h = header.to_string();
+    let mut out = (h.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(h.as_bytes());
+    out.extend_from_slice(&bytes[8 + n..]);
+    std::fs::remove_file(&path).unwrap();
+    std::fs::write(&path, out).unwrap();
+    let numel: u64 = shape
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d.as_u64().unwrap())
+        .product();
+    let (b, e) = (offsets[0].as_u64().unwrap(), offsets[1].as_u64().unwrap());
+    let msg = refusal(dir.path(), &body);
+    assert!(
+        msg.contains(&file)
+            && msg.ends_with(&format!(
+                ": tensor {name}: dtype F32 x shape {shape} needs {} bytes, its data_offsets [{b}, {e}] give {}",
+                numel * 4,
+                e - b
+            )),
+        "{msg}"
+    );
 }
 
 #[test]
