@@ -411,8 +411,10 @@ pub fn load(a: &ModelArgs, chat: bool) -> anyhow::Result<Loaded> {
     );
     let (_, cfg) = read_config(&a.model)?;
     let mut copts = flashplan_compiler::default_options(flashplan_compiler::default_arch());
-    copts.context = a.context.unwrap_or_else(|| default_context(&cfg));
     copts.max_depth = a.max_depth.max(1);
+    copts.context = a
+        .context
+        .unwrap_or_else(|| default_context(&cfg, copts.max_depth));
     let tokenizer = Tokenizer::from_dir(&a.model)
         .with_context(|| format!("loading the tokenizer of {}", a.model.display()))?;
     check_tokenizer_fits(&a.model, &cfg, &tokenizer)?;
@@ -467,11 +469,11 @@ mod tests {
         // The real config's 524288 positions: the default; the bundled demo model's 8192: its own.
         let real = config("configs/flash-next.json");
         assert!(real.max_position_embeddings > DEFAULT_CONTEXT);
-        assert_eq!(default_context(&real), DEFAULT_CONTEXT);
+        assert_eq!(default_context(&real, 15), DEFAULT_CONTEXT);
         let tiny = config("models/flashnext-tiny/config.json");
         assert!(tiny.max_position_embeddings < DEFAULT_CONTEXT);
-        assert_eq!(default_context(&tiny), tiny.max_position_embeddings);
-        assert!(flashplan_compiler::context_note(&tiny, default_context(&tiny)).is_none());
+        assert_eq!(default_context(&tiny, 15), tiny.max_position_embeddings);
+        assert!(flashplan_compiler::context_note(&tiny, default_context(&tiny, 15)).is_none());
         let note = flashplan_compiler::context_note(&tiny, tiny.max_position_embeddings + 1)
             .expect("a note");
         assert!(note.contains("past the 8192 positions"), "{note}");

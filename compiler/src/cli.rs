@@ -67,7 +67,9 @@ pub fn compile(a: CompileArgs) -> anyhow::Result<()> {
         arch: a.arch.unwrap_or_else(crate::detect_arch),
         max_depth: a.max_depth,
         streams: a.streams,
-        context: a.context.unwrap_or_else(|| crate::default_context(&cfg)),
+        context: a
+            .context
+            .unwrap_or_else(|| crate::default_context(&cfg, a.max_depth)),
         prefill_chunk: a.prefill_chunk,
     };
     // Bad options and an --out that is, or lies under, a file are refused before any work; write_atomic makes the

@@ -180,7 +180,12 @@ pub fn check_options(o: &CompileOptions) -> Result<(), CompileError> {
     if o.context < o.max_depth as u64 + 3 {
         return bad(
             "--context",
-            format!("{} with --max-depth {}", o.context, o.max_depth),
+            format!(
+                "{} (needs {} at --max-depth {})",
+                o.context,
+                o.max_depth as u64 + 3,
+                o.max_depth
+            ),
             "at least max depth + 3 tokens: one verify window of max depth + 1 rows past a prompt token and a reply \
              token",
         );
@@ -206,9 +211,12 @@ pub const DEFAULT_CONTEXT: u64 = 32768;
 
 /// The context compiled when `--context` is not given: [`DEFAULT_CONTEXT`], or the positions the model was trained
 /// for when fewer ([`trained_positions`]; vLLM's default `max_model_len` is likewise the model's length), but at
-/// least [`MIN_CONTEXT`].
-pub fn default_context(cfg: &ModelConfig) -> u64 {
-    DEFAULT_CONTEXT.min(trained_positions(cfg)).max(MIN_CONTEXT)
+/// least [`MIN_CONTEXT`] and the smallest context [`check_options`] takes at `max_depth` (max depth + 3).
+pub fn default_context(cfg: &ModelConfig, max_depth: u32) -> u64 {
+    DEFAULT_CONTEXT
+        .min(trained_positions(cfg))
+        .max(MIN_CONTEXT)
+        .max(max_depth as u64 + 3)
 }
 
 /// The positions the model was trained for: `max_position_embeddings`, or with YaRN RoPE (`rope_type` `yarn`) the

@@ -531,7 +531,13 @@ fn bad_options_are_refused() {
         }
     }
     // A context must hold one verify window (max depth + 1 rows) past a prompt token and a reply token: else the
-    // plans would serve no request (their max_model_len below 2).
+    // plans would serve no request (their max_model_len below 2). The default context of a model trained for fewer
+    // positions is raised to it.
+    let mut short = c.clone();
+    short.max_position_embeddings = 8;
+    assert_eq!(flashplan_compiler::default_context(&short, 1), 16);
+    assert_eq!(flashplan_compiler::default_context(&short, 15), 18);
+    assert_eq!(flashplan_compiler::default_context(&short, 61), 64);
     for (context, max_depth, ok) in [
         (17, 15, false),
         (18, 15, true),
@@ -552,8 +558,10 @@ fn bad_options_are_refused() {
                 assert_eq!(
                     e.to_string(),
                     format!(
-                        "option --context = {context} with --max-depth {max_depth}: expected at least max depth + 3 \
-                         tokens: one verify window of max depth + 1 rows past a prompt token and a reply token"
+                        "option --context = {context} (needs {} at --max-depth {max_depth}): expected at least max \
+                         depth + 3 tokens: one verify window of max depth + 1 rows past a prompt token and a reply \
+                         token",
+                        max_depth + 3
                     )
                 );
             }

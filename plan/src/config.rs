@@ -745,10 +745,13 @@ impl ModelConfig {
         if !(self.rms_norm_eps > 0.0 && eps32 > 0.0 && eps32.is_finite()) {
             return Err(field_err(
                 "rms_norm_eps",
-                self.rms_norm_eps,
+                // As JSON writes it (1e300, not 301 digits).
+                serde_json::json!(self.rms_norm_eps),
                 "a positive number that f32 holds (about 1e-45 to 3e38; the norms run in f32)",
             ));
         }
+        // (transformers takes 0 with plain RoPE; no position could be served with it, and the default context is
+        // taken from it.)
         if self.max_position_embeddings == 0 {
             return Err(field_err(
                 "max_position_embeddings",
@@ -823,12 +826,21 @@ fn parse_rope(v: Option<&Value>, r: &Reader) -> Result<RopeConfig, ConfigError> 
             "a number in (0, 1]",
         ));
     }
-    // transformers' rope validation requires `factor` for yarn (a KeyError without it).
-    if rope_type == "yarn" && rr.obj.get("factor").is_none_or(Value::is_null) {
+    // transformers' rope validation requires the key `factor` for yarn (a KeyError without it; a null value it only
+    // warns about, and is read here as before).
+    if rope_type == "yarn" && !rr.obj.contains_key("factor") {
         return Err(field_err(
             "rope_parameters.factor",
             "absent",
-            "the YaRN scaling factor, which rope_type yarn requires (as transformers does)",
+            "the YaRN scaling factor, which rope_type yarn requires (transformers refuses yarn without it too)",
+        ));
+    }
+    let original = rr.opt_uint("original_max_position_embeddings")?;
+    if rope_type == "yarn" && original == Some(0) {
+        return Err(field_err(
+            "rope_parameters.original_max_position_embeddings",
+            0,
+            "a positive number of positions (YaRN divides by it, as does transformers)",
         ));
     }
     let factor = rr.float("factor", 1.0)?;
@@ -851,7 +863,7 @@ fn parse_rope(v: Option<&Value>, r: &Reader) -> Result<RopeConfig, ConfigError> 
         theta,
         partial_rotary_factor: partial,
         factor,
-        original_max_position_embeddings: rr.opt_uint("original_max_position_embeddings")?,
+        original_max_position_embeddings: original,
         beta_fast: rr.float("beta_fast", 32.0)?,
         beta_slow: rr.float("beta_slow", 1.0)?,
         attention_factor: match obj.get("attention_factor") {

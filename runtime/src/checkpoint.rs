@@ -153,7 +153,8 @@ pub enum CheckpointError {
         file: PathBuf,
         /// The safetensors crate's error (in the message, as `Io`'s).
         cause: SafeTensorError,
-        /// Which tensor is at fault and what its dtype and shape need (`safetensors_check::explain`), when found.
+        /// What is at fault (`safetensors_check::explain`), when found: a tensor and what its dtype and shape need,
+        /// or the file's length against its header.
         detail: Option<String>,
     },
     /// The shard index places a tensor in a file that does not contain it.

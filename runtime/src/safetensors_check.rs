@@ -3,13 +3,14 @@
 //! case ("invalid shape, data type, or offset for tensor"); [`explain`] reads the header again and says which
 //! tensor and what it expected. Format: an 8-byte little-endian header length, the JSON header (per tensor `dtype`,
 //! `shape`, `data_offsets` [begin, end) into the data after the header; `__metadata__` aside), then the data, which
-//! the tensors must cover exactly (the crate's `validate`).
+//! the tensors must cover exactly (the crate's `validate`, which checks them in the order of their offsets).
 
 use safetensors::Dtype;
 use serde_json::Value;
 
-/// What is wrong with the safetensors file `bytes`, naming the first tensor at fault; `None` when this reading finds
-/// nothing (a header that is not JSON, say: the crate's own message then stands alone).
+/// What is wrong with the safetensors file `bytes`, naming the first tensor at fault in the order the crate checks
+/// them (by data offsets); `None` when this reading finds nothing (a header that is not a JSON object of
+/// well-typed entries, say: the crate's own message then stands alone).
 pub(crate) fn explain(bytes: &[u8]) -> Option<String> {
     let len_bytes: [u8; 8] = bytes.get(..8)?.try_into().ok()?;
     let n = u64::from_le_bytes(len_bytes);
@@ -18,19 +19,21 @@ pub(crate) fn explain(bytes: &[u8]) -> Option<String> {
         Some(s) if s <= total => s,
         _ => {
             return Some(format!(
-                "its header claims {n} bytes, past the file's {total}"
+                "its header claims {n} bytes, past the {} bytes after its 8-byte length",
+                total - 8
             ))
         }
     };
     let header: serde_json::Map<String, Value> =
         serde_json::from_slice(&bytes[8..data_start as usize]).ok()?;
     let data = total - data_start;
-    let mut spans = Vec::new();
+    // (begin, end, name, dtype, shape) of every tensor, in the crate's order.
+    let mut tensors = Vec::new();
     for (name, v) in &header {
         if name == "__metadata__" {
             continue;
         }
-        let dtype_name = v.get("dtype")?.as_str()?;
+        let dtype = v.get("dtype")?.as_str()?;
         let shape: Vec<u64> = v
             .get("shape")?
             .as_array()?
@@ -39,8 +42,19 @@ pub(crate) fn explain(bytes: &[u8]) -> Option<String> {
             .collect::<Option<_>>()?;
         let offsets = v.get("data_offsets")?.as_array()?;
         let (begin, end) = (offsets.first()?.as_u64()?, offsets.get(1)?.as_u64()?);
-        let Ok(dtype) = serde_json::from_value::<Dtype>(Value::from(dtype_name)) else {
-            return Some(format!("tensor {name} has an unknown dtype {dtype_name}"));
+        tensors.push((begin, end, name, dtype, shape));
+    }
+    tensors.sort();
+    let mut at = 0;
+    for (begin, end, name, dtype_name, shape) in &tensors {
+        if *begin != at {
+            return Some(format!(
+                "tensor {name}: its data_offsets begin at byte {begin} of the data, where the tensors before it end \
+                 at {at} (a gap or an overlap)"
+            ));
+        }
+        let Ok(dtype) = serde_json::from_value::<Dtype>(Value::from(*dtype_name)) else {
+            return Some(format!("tensor {name}: unknown dtype {dtype_name}"));
         };
         let bits = shape
             .iter()
@@ -55,36 +69,29 @@ pub(crate) fn explain(bytes: &[u8]) -> Option<String> {
                 ))
             }
         };
-        if end < begin || end - begin != need {
+        if *end < *begin || end - begin != need {
             return Some(format!(
                 "tensor {name}: dtype {dtype_name} x shape {shape:?} needs {need} bytes, its data_offsets \
                  [{begin}, {end}] give {}",
-                end as i128 - begin as i128
+                *end as i128 - *begin as i128
             ));
         }
-        if end > data {
-            return Some(format!(
-                "tensor {name}: its data_offsets end at byte {end} of the data, past the {data} bytes the file \
-                 holds after its header (truncated?)"
-            ));
-        }
-        spans.push((begin, end, name));
+        at = *end;
     }
-    spans.sort();
-    let mut at = 0;
-    for (begin, end, name) in spans {
-        if begin != at {
-            return Some(format!(
-                "tensor {name} starts at byte {begin} of the data, where the tensors before it end at {at} (a gap \
-                 or an overlap)"
-            ));
-        }
-        at = end;
+    if at > data {
+        // The tensor the data ends inside (or before), and how many lie past the end.
+        let past = tensors.iter().filter(|t| t.1 > data).count();
+        let (_, end, name, _, _) = tensors.iter().find(|t| t.1 > data)?;
+        return Some(format!(
+            "tensor {name}: its data_offsets end at byte {end} of the data, past the {data} bytes the file holds \
+             after its header (truncated? {past} {} past that point)",
+            if past == 1 { "tensor lies" } else { "tensors lie" }
+        ));
     }
-    (at != data).then(|| {
+    (at < data).then(|| {
         format!(
-            "the tensors cover {at} bytes of data, and the file holds {data} after its header (truncated, or bytes \
-             past the last tensor)"
+            "the tensors cover {at} bytes of data, and the file holds {data} after its header (bytes past the last \
+             tensor)"
         )
     })
 }
@@ -147,7 +154,7 @@ mod tests {
                 ),
                 16,
                 "tensor b: its data_offsets end at byte 20 of the data, past the 16 bytes the file holds after its \
-                 header (truncated?)",
+                 header (truncated? 1 tensor lies past that point)",
             ),
             // A gap between the tensors.
             (
@@ -156,8 +163,8 @@ mod tests {
                     &serde_json::json!({"dtype": "F32", "shape": [2], "data_offsets": [16, 24]}),
                 ),
                 24,
-                "tensor b starts at byte 16 of the data, where the tensors before it end at 12 (a gap or an \
-                 overlap)",
+                "tensor b: its data_offsets begin at byte 16 of the data, where the tensors before it end at 12 (a \
+                 gap or an overlap)",
             ),
             // Bytes past the last tensor.
             (
@@ -166,8 +173,8 @@ mod tests {
                     &serde_json::json!({"dtype": "F32", "shape": [2], "data_offsets": [12, 20]}),
                 ),
                 24,
-                "the tensors cover 20 bytes of data, and the file holds 24 after its header (truncated, or bytes \
-                 past the last tensor)",
+                "the tensors cover 20 bytes of data, and the file holds 24 after its header (bytes past the last \
+                 tensor)",
             ),
         ] {
             let f = file(&h, data);
@@ -181,15 +188,64 @@ mod tests {
         // A header longer than the file.
         let mut f = file(&two(&ok_a, &ok_a), 12);
         f.truncate(20);
+        assert!(safetensors::SafeTensors::deserialize(&f).is_err());
         assert_eq!(
             explain(&f).as_deref(),
             Some(
                 format!(
-                    "its header claims {} bytes, past the file's 20",
+                    "its header claims {} bytes, past the 12 bytes after its 8-byte length",
                     two(&ok_a, &ok_a).to_string().len()
                 )
                 .as_str()
             )
         );
+        // An unknown dtype, checked in offset order: "b" comes first in the data.
+        let f = file(
+            &two(
+                &serde_json::json!({"dtype": "BF16", "shape": [2], "data_offsets": [4, 8]}),
+                &serde_json::json!({"dtype": "X9", "shape": [2], "data_offsets": [0, 4]}),
+            ),
+            8,
+        );
+        assert!(safetensors::SafeTensors::deserialize(&f).is_err());
+        assert_eq!(explain(&f).as_deref(), Some("tensor b: unknown dtype X9"));
+        // A cut through several tensors names the first the data ends inside, in offset order, and counts them.
+        let h = serde_json::json!({
+            "z": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
+            "y": {"dtype": "U8", "shape": [4], "data_offsets": [4, 8]},
+            "x": {"dtype": "U8", "shape": [4], "data_offsets": [8, 12]},
+        });
+        let f = file(&h, 6);
+        assert!(safetensors::SafeTensors::deserialize(&f).is_err());
+        assert_eq!(
+            explain(&f).as_deref(),
+            Some(
+                "tensor y: its data_offsets end at byte 8 of the data, past the 6 bytes the file holds after its \
+                 header (truncated? 2 tensors lie past that point)"
+            )
+        );
+    }
+
+    #[test]
+    fn what_this_reading_cannot_parse_is_left_to_the_crate() {
+        // A header that is not JSON, not an object, or with a negative offset or a fractional dim.
+        for h in [
+            b"not json".to_vec(),
+            b"[1, 2]".to_vec(),
+            serde_json::json!({"a": {"dtype": "U8", "shape": [4], "data_offsets": [-1, 3]}})
+                .to_string()
+                .into_bytes(),
+            serde_json::json!({"a": {"dtype": "U8", "shape": [1.5], "data_offsets": [0, 4]}})
+                .to_string()
+                .into_bytes(),
+        ] {
+            let mut f = (h.len() as u64).to_le_bytes().to_vec();
+            f.extend_from_slice(&h);
+            f.resize(f.len() + 4, 0);
+            assert!(safetensors::SafeTensors::deserialize(&f).is_err());
+            assert_eq!(explain(&f), None, "{}", String::from_utf8_lossy(&h));
+        }
+        // Fewer than 8 bytes.
+        assert_eq!(explain(b"abc"), None);
     }
 }

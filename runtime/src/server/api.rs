@@ -765,6 +765,15 @@ mod tests {
             assert_eq!(e.status, 400, "{body}");
             assert_eq!(e.param.as_deref(), param, "{body}: {}", e.message);
         }
+        // A count of 0 asks for the sampled tokens' log probabilities: unsupported, not a wrong value.
+        let e = p(r#"{"prompt": "a", "logprobs": 0}"#, false).unwrap_err();
+        assert_eq!(
+            (e.code, e.message.as_str()),
+            (
+                Some("unsupported_parameter"),
+                "`logprobs` is not supported by this server (got 0)"
+            )
+        );
         assert!(p(r#"{"messages": "hi"}"#, true).is_err());
         assert!(p(r#"{"messages": [{"role": "user", "content": "hi"}]}"#, true).is_ok());
         assert!(p(r#"{"messages": [{"role": "bot", "content": "hi"}]}"#, true).is_err());
