@@ -1203,6 +1203,19 @@ fn serve_with_template(
     (tmp, jinja, rt, addr)
 }
 
+/// The message of a 500 `server_error` answer to `path` (its type, and no param or code, checked).
+fn server_error(r: &client::Response, path: &str) -> String {
+    assert_eq!(r.status, 500, "{path}: {}", r.body);
+    let e = &r.json()["error"];
+    assert_eq!(
+        (&e["type"], &e["param"], &e["code"]),
+        (&json!("server_error"), &Value::Null, &Value::Null),
+        "{path}: {}",
+        r.body
+    );
+    e["message"].as_str().unwrap_or("").to_string()
+}
+
 #[test]
 fn a_chat_template_that_does_not_parse_fails_chat_requests_alone() {
     // The model serves completions; chat requests (and /tokenize of messages) get a 500 naming the template's
@@ -1214,15 +1227,7 @@ fn a_chat_template_that_does_not_parse_fails_chat_requests_alone() {
     for path in ["/v1/chat/completions", "/tokenize"] {
         let body = json!({"messages": [{"role": "user", "content": "hi"}]}).to_string();
         let r = client::request(&addr, "POST", path, Some(&body)).expect("request");
-        assert_eq!(r.status, 500, "{path}: {}", r.body);
-        let e = &r.json()["error"];
-        assert_eq!(
-            (&e["type"], &e["param"], &e["code"]),
-            (&json!("server_error"), &Value::Null, &Value::Null),
-            "{path}: {}",
-            r.body
-        );
-        let msg = e["message"].as_str().unwrap_or("");
+        let msg = server_error(&r, path);
         // The template's name and line, not its path on the server.
         assert!(
             msg.starts_with(
@@ -1263,16 +1268,7 @@ fn a_chat_template_failing_at_render_is_a_500_unless_it_raises() {
                    "type": "invalid_request_error", "param": "messages", "code": null}),
             "{path}"
         );
-        let r = send(path, "user", "boom");
-        assert_eq!(r.status, 500, "{path}: {}", r.body);
-        let e = &r.json()["error"];
-        assert_eq!(
-            (&e["type"], &e["param"], &e["code"]),
-            (&json!("server_error"), &Value::Null, &Value::Null),
-            "{path}: {}",
-            r.body
-        );
-        let msg = e["message"].as_str().unwrap_or("");
+        let msg = server_error(&send(path, "user", "boom"), path);
         assert!(
             msg.starts_with(
                 "the model's chat template failed to render these messages: chat template: invalid operation"
