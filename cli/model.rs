@@ -409,7 +409,10 @@ pub fn load(a: &ModelArgs, chat: bool) -> anyhow::Result<Loaded> {
             "no such model directory"
         }
     );
-    let (_, cfg) = read_config(&a.model)?;
+    let (text, cfg) = read_config(&a.model)?;
+    if let Some(note) = flashplan_compiler::defaulted_note(&text, &cfg) {
+        eprintln!("{note}");
+    }
     let mut copts = flashplan_compiler::default_options(flashplan_compiler::default_arch());
     copts.max_depth = a.max_depth.max(1);
     copts.context = a

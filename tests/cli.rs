@@ -258,6 +258,41 @@ fn compile_defaults_to_the_context_run_compiles() {
 }
 
 #[test]
+fn a_config_leaving_out_a_size_is_named_with_the_default_taken() {
+    // The bundled model's config without num_experts: transformers' 512 is taken, and the note says so before the
+    // plans (for 512 experts) compile.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut cfg: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/flashnext-tiny.json"),
+        )
+        .expect("config"),
+    )
+    .expect("config parses");
+    cfg.as_object_mut()
+        .expect("an object")
+        .remove("num_experts");
+    let path = dir.path().join("config.json");
+    std::fs::write(&path, cfg.to_string()).expect("write config");
+    let r = Command::new(env!("CARGO_BIN_EXE_flashplan"))
+        .args(["compile", "--config"])
+        .arg(&path)
+        .arg("--out")
+        .arg(dir.path().join("plans"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("runs flashplan compile");
+    let stderr = String::from_utf8_lossy(&r.stderr);
+    assert!(
+        stderr.contains(
+            "note: the config leaves out num_experts = 512: transformers' defaults (the full Flash Next's sizes) \
+             are taken"
+        ),
+        "{stderr}"
+    );
+}
+
+#[test]
 fn a_folder_without_plans_names_the_command_that_makes_them() {
     let empty = tempfile::tempdir().expect("tempdir");
     let e = refused(&["plans", "inspect", &empty.path().to_string_lossy()], &[]);

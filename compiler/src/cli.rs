@@ -87,7 +87,13 @@ pub fn compile(a: CompileArgs) -> anyhow::Result<()> {
             file.display()
         );
     }
-    if let Some(note) = crate::context_note(&cfg, opts.context) {
+    for note in [
+        crate::defaulted_note(&text, &cfg),
+        crate::context_note(&cfg, opts.context),
+    ]
+    .into_iter()
+    .flatten()
+    {
         eprintln!("{note}");
     }
     let t = std::time::Instant::now();

@@ -249,6 +249,19 @@ pub fn context_note(cfg: &ModelConfig, context: u64) -> Option<String> {
     })
 }
 
+/// A note naming the fields that size the model which the config.json `text` leaves out, with the values taken
+/// ([`flashplan_plan::config::defaulted_size_fields`]), or `None` when it has them all.
+pub fn defaulted_note(text: &str, cfg: &ModelConfig) -> Option<String> {
+    let fields = flashplan_plan::config::defaulted_size_fields(text, cfg);
+    (!fields.is_empty()).then(|| {
+        let list: Vec<String> = fields.iter().map(|(k, v)| format!("{k} = {v}")).collect();
+        format!(
+            "note: the config leaves out {}: transformers' defaults (the full Flash Next's sizes) are taken",
+            list.join(", ")
+        )
+    })
+}
+
 /// Compiles the plan set for a config. `progress` is called after each variant with (done, total).
 ///
 /// # Errors

@@ -285,6 +285,50 @@ impl Reader<'_> {
     }
 }
 
+/// The fields that size the model, which [`defaulted_size_fields`] reports when a config leaves them out.
+pub const SIZE_FIELDS: &[&str] = &[
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "num_experts",
+    "num_experts_per_tok",
+    "hc_count",
+    "hc_lowrank",
+];
+
+/// The [`SIZE_FIELDS`] that the config.json `text` leaves out or sets to null (in its `text_config` for a
+/// `qwen4_exp` wrapper), each with the value `cfg`, parsed from it, took instead: transformers' config defaults (the
+/// real model's sizes). A config missing `num_experts` otherwise fails later, on a plan or tensor shape that does not
+/// say the field was absent. Empty for text that is not a JSON object.
+pub fn defaulted_size_fields(text: &str, cfg: &ModelConfig) -> Vec<(&'static str, String)> {
+    let Ok(Value::Object(root)) = serde_json::from_str::<Value>(text) else {
+        return Vec::new();
+    };
+    let obj = match root.get("text_config") {
+        Some(Value::Object(t))
+            if root.get("model_type").and_then(Value::as_str) == Some("qwen4_exp") =>
+        {
+            t
+        }
+        _ => &root,
+    };
+    let taken = serde_json::to_value(cfg).unwrap_or_default();
+    SIZE_FIELDS
+        .iter()
+        .filter(|k| obj.get(**k).is_none_or(Value::is_null))
+        .map(|k| (*k, taken[*k].to_string()))
+        .collect()
+}
+
 impl ModelConfig {
     /// Parses a `config.json` text (wrapper `qwen4_exp` with `text_config`, or bare `qwen4_exp_text`).
     ///

@@ -439,3 +439,36 @@ fn a_missing_model_type_is_said_so() {
         "{e}"
     );
 }
+
+#[test]
+fn the_size_fields_a_config_leaves_out_are_named_with_the_defaults_taken() {
+    use flashplan_plan::config::defaulted_size_fields;
+    // The published wrapper config has them all.
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../configs/flash-next.json");
+    let text = std::fs::read_to_string(path).unwrap();
+    let cfg = ModelConfig::from_json_str(&text).unwrap();
+    assert!(defaulted_size_fields(&text, &cfg).is_empty());
+    // Left out of the wrapper's text_config, or null in a bare config: named in SIZE_FIELDS order, with
+    // transformers' defaults (hidden_size 2048, num_experts 512).
+    let mut root: Value = serde_json::from_str(&text).unwrap();
+    let t = root["text_config"].as_object_mut().unwrap();
+    t.remove("num_experts");
+    t.remove("hidden_size");
+    let edited = root.to_string();
+    let cfg = ModelConfig::from_json_str(&edited).unwrap();
+    assert_eq!(
+        defaulted_size_fields(&edited, &cfg),
+        [
+            ("hidden_size", "2048".to_string()),
+            ("num_experts", "512".to_string())
+        ]
+    );
+    let mut bare = real_text();
+    bare["num_experts"] = Value::Null;
+    let edited = bare.to_string();
+    let cfg = ModelConfig::from_json_str(&edited).unwrap();
+    assert_eq!(
+        defaulted_size_fields(&edited, &cfg),
+        [("num_experts", "512".to_string())]
+    );
+}
