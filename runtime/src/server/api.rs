@@ -669,7 +669,15 @@ pub fn parse_gen(m: &Map<String, Value>, chat: bool) -> Result<GenParams, ApiErr
                 )
                 .code("unsupported_parameter"))
             }
-            Some(v) => return Err(wrong(k, "a boolean", v)),
+            Some(v) => {
+                // OpenAI's completions take a count of log probabilities, chat a boolean.
+                let want = if k == "logprobs" && !chat {
+                    "an integer (a count)"
+                } else {
+                    "a boolean"
+                };
+                return Err(wrong(k, want, v));
+            }
         }
     }
     Ok(GenParams {
@@ -764,6 +772,22 @@ mod tests {
             let e = p(body, false).unwrap_err();
             assert_eq!(e.status, 400, "{body}");
             assert_eq!(e.param.as_deref(), param, "{body}: {}", e.message);
+        }
+        // A wrong type names what each API takes there: a count in completions, a boolean in chat.
+        for (chat, body, want) in [
+            (
+                false,
+                r#"{"prompt": "a", "logprobs": "x"}"#,
+                "an integer (a count)",
+            ),
+            (
+                true,
+                r#"{"messages": [{"role": "user", "content": "hi"}], "logprobs": "x"}"#,
+                "a boolean",
+            ),
+        ] {
+            let e = p(body, chat).unwrap_err();
+            assert!(e.message.contains(want), "{body}: {}", e.message);
         }
         // A count of 0 asks for the sampled tokens' log probabilities: unsupported, not a wrong value.
         let e = p(r#"{"prompt": "a", "logprobs": 0}"#, false).unwrap_err();
