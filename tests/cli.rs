@@ -283,13 +283,24 @@ fn a_config_leaving_out_a_size_is_named_with_the_default_taken() {
         .output()
         .expect("runs flashplan compile");
     let stderr = String::from_utf8_lossy(&r.stderr);
-    assert!(
-        stderr.contains(
-            "note: the config leaves out num_experts = 512: transformers' defaults (the full Flash Next's sizes) \
-             are taken"
-        ),
-        "{stderr}"
+    let note = "note: the config leaves out num_experts = 512: transformers' defaults are taken";
+    assert!(r.status.success() && stderr.contains(note), "{stderr}");
+    // run names it too, before its plans (for 8 experts) are refused.
+    let model = tokenizer_copy();
+    std::fs::write(model.path().join("config.json"), cfg.to_string()).expect("write config");
+    let e = refused(
+        &[
+            "run",
+            "--model",
+            &model.path().to_string_lossy(),
+            "--plans",
+            "plans/flashnext-tiny",
+            "--prompt",
+            "x",
+        ],
+        &[],
     );
+    assert!(e.contains(note) && e.contains("plan mismatch"), "{e}");
 }
 
 #[test]

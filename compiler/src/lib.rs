@@ -256,7 +256,7 @@ pub fn defaulted_note(text: &str, cfg: &ModelConfig) -> Option<String> {
     (!fields.is_empty()).then(|| {
         let list: Vec<String> = fields.iter().map(|(k, v)| format!("{k} = {v}")).collect();
         format!(
-            "note: the config leaves out {}: transformers' defaults (the full Flash Next's sizes) are taken",
+            "note: the config leaves out {}: transformers' defaults are taken",
             list.join(", ")
         )
     })

@@ -297,6 +297,7 @@ pub const SIZE_FIELDS: &[&str] = &[
     "linear_num_value_heads",
     "linear_key_head_dim",
     "linear_value_head_dim",
+    "linear_conv_kernel_dim",
     "moe_intermediate_size",
     "shared_expert_intermediate_size",
     "num_experts",
@@ -305,10 +306,22 @@ pub const SIZE_FIELDS: &[&str] = &[
     "hc_lowrank",
 ];
 
-/// The [`SIZE_FIELDS`] that the config.json `text` leaves out or sets to null (in its `text_config` for a
-/// `qwen4_exp` wrapper), each with the value `cfg`, parsed from it, took instead: transformers' config defaults (the
-/// real model's sizes). A config missing `num_experts` otherwise fails later, on a plan or tensor shape that does not
-/// say the field was absent. Empty for text that is not a JSON object.
+/// The fields that size the per-layer n-gram embedding (PLE), which [`defaulted_size_fields`] reports for a config
+/// with PLE layers (`ngram_vocab_size_base` left out gives tables of 20 million rows).
+pub const PLE_SIZE_FIELDS: &[&str] = &[
+    "ple_embed_dim",
+    "ple_conv_kernel_size",
+    "ngram_size",
+    "heads_per_ngram",
+    "ngram_vocab_size_base",
+    "make_ngram_vocab_size_divisible_by",
+];
+
+/// The [`SIZE_FIELDS`] (and with PLE layers the [`PLE_SIZE_FIELDS`]) that the config.json `text` leaves out or sets
+/// to null (in its `text_config` for a `qwen4_exp` wrapper), each with the value `cfg`, parsed from it, took instead:
+/// transformers' config defaults, which are not all the real model's sizes (`hidden_size` 2048). A config missing
+/// `num_experts` otherwise fails later, on a plan or tensor shape that does not say the field was absent. Empty for
+/// text that is not a JSON object.
 pub fn defaulted_size_fields(text: &str, cfg: &ModelConfig) -> Vec<(&'static str, String)> {
     let Ok(Value::Object(root)) = serde_json::from_str::<Value>(text) else {
         return Vec::new();
@@ -322,8 +335,14 @@ pub fn defaulted_size_fields(text: &str, cfg: &ModelConfig) -> Vec<(&'static str
         _ => &root,
     };
     let taken = serde_json::to_value(cfg).unwrap_or_default();
+    let ple: &[&str] = if cfg.ple_layer_ids.is_empty() {
+        &[]
+    } else {
+        PLE_SIZE_FIELDS
+    };
     SIZE_FIELDS
         .iter()
+        .chain(ple)
         .filter(|k| obj.get(**k).is_none_or(Value::is_null))
         .map(|k| (*k, taken[*k].to_string()))
         .collect()

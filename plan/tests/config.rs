@@ -472,3 +472,41 @@ fn the_size_fields_a_config_leaves_out_are_named_with_the_defaults_taken() {
         [("num_experts", "512".to_string())]
     );
 }
+
+#[test]
+fn every_size_field_left_out_reports_the_value_taken() {
+    // Each field of the lists, left out of the bare real config (which has PLE layers): reported with a number,
+    // the value the parsed config holds under that name (a renamed field would show null).
+    use flashplan_plan::config::{defaulted_size_fields, PLE_SIZE_FIELDS, SIZE_FIELDS};
+    let mut checked = Vec::new();
+    for key in SIZE_FIELDS.iter().chain(PLE_SIZE_FIELDS) {
+        let mut v = real_text();
+        v.as_object_mut().unwrap().remove(*key);
+        let text = v.to_string();
+        let Ok(cfg) = ModelConfig::from_json_str(&text) else {
+            // A default the rest of the real config refuses (a head count that no longer divides): named there.
+            continue;
+        };
+        let got = defaulted_size_fields(&text, &cfg);
+        assert_eq!(got.len(), 1, "{key}: {got:?}");
+        assert_eq!(got[0].0, *key);
+        assert_eq!(
+            got[0].1,
+            serde_json::to_value(&cfg).unwrap()[*key].to_string(),
+            "{key}"
+        );
+        assert!(got[0].1.parse::<u64>().is_ok(), "{key}: {}", got[0].1);
+        checked.push(*key);
+    }
+    // Only num_hidden_layers is refused on its own: its default 40 disagrees with the 48 layer_types.
+    let all: Vec<&str> = SIZE_FIELDS.iter().chain(PLE_SIZE_FIELDS).copied().collect();
+    let skipped: Vec<&&str> = all.iter().filter(|k| !checked.contains(*k)).collect();
+    assert_eq!(skipped, [&"num_hidden_layers"]);
+    // Without PLE layers the PLE fields size nothing and are not named.
+    let mut v = real_text();
+    v["ple_layer_ids"] = json!([]);
+    v.as_object_mut().unwrap().remove("ngram_vocab_size_base");
+    let text = v.to_string();
+    let cfg = ModelConfig::from_json_str(&text).unwrap();
+    assert!(defaulted_size_fields(&text, &cfg).is_empty());
+}
