@@ -285,24 +285,25 @@ impl Reader<'_> {
     }
 }
 
-/// The fields that size the model, which [`defaulted_size_fields`] reports when a config leaves them out.
+/// The fields that size the model, in the order a reader compares two models: [`defaulted_size_fields`] reports
+/// those a config leaves out, and a plan's config mismatch names those that differ first (`format.rs`).
 pub const SIZE_FIELDS: &[&str] = &[
-    "vocab_size",
-    "hidden_size",
     "num_hidden_layers",
+    "hidden_size",
+    "vocab_size",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
     "num_attention_heads",
     "num_key_value_heads",
     "head_dim",
-    "linear_num_key_heads",
     "linear_num_value_heads",
+    "linear_num_key_heads",
+    "hc_count",
     "linear_key_head_dim",
     "linear_value_head_dim",
     "linear_conv_kernel_dim",
-    "moe_intermediate_size",
     "shared_expert_intermediate_size",
-    "num_experts",
-    "num_experts_per_tok",
-    "hc_count",
     "hc_lowrank",
 ];
 

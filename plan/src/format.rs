@@ -120,29 +120,16 @@ fn bincode_cfg() -> bincode::config::Configuration {
     bincode::config::standard()
 }
 
-/// The config fields [`config_difference`] names first when they differ: those that size the model, in the order a
-/// reader compares two models (then every other field, by name).
-const SHAPE_FIELDS: &[&str] = &[
-    "num_hidden_layers",
-    "hidden_size",
-    "vocab_size",
-    "num_experts",
-    "num_experts_per_tok",
-    "moe_intermediate_size",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "linear_num_value_heads",
-    "linear_num_key_heads",
-    "hc_count",
-    "layer_types",
-    "mtp",
-];
+/// The config fields [`config_difference`] names first when they differ: those that size the model
+/// ([`crate::config::SIZE_FIELDS`], in the order a reader compares two models), then these two, then every other
+/// field by name.
+const SHAPE_FIELDS_AFTER_SIZES: &[&str] = &["layer_types", "mtp"];
 
 /// The most characters of one value [`config_difference`] prints (a longer one ends in `...`).
 const VALUE_CHARS: usize = 60;
 
-/// The config fields that differ between `plan` and `here` (at most four: the [`SHAPE_FIELDS`] first, then by name),
+/// The config fields that differ between `plan` and `here` (at most four: the sizes and [`SHAPE_FIELDS_AFTER_SIZES`]
+/// first, then by name),
 /// as (the plan's values, these values); `None` when no field differs by value.
 fn config_difference(
     plan: &crate::ModelConfig,
@@ -155,10 +142,11 @@ fn config_difference(
     let (a, b) = (a.as_object()?, b.as_object()?);
     let mut keys: Vec<&String> = a.keys().chain(b.keys()).collect();
     let rank = |k: &str| {
-        SHAPE_FIELDS
+        crate::config::SIZE_FIELDS
             .iter()
+            .chain(SHAPE_FIELDS_AFTER_SIZES)
             .position(|f| *f == k)
-            .unwrap_or(SHAPE_FIELDS.len())
+            .unwrap_or(usize::MAX)
     };
     keys.sort_by(|x, y| rank(x).cmp(&rank(y)).then(x.cmp(y)));
     keys.dedup();
