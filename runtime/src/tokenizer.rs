@@ -267,6 +267,14 @@ impl ChatTemplate {
     }
 }
 
+/// The error of a chat template kept as (where it comes from, minijinja's syntax error) because it does not parse.
+fn syntax_error((origin, message): &(String, String)) -> TokenizerError {
+    TokenizerError::TemplateSyntax {
+        origin: origin.clone(),
+        message: message.clone(),
+    }
+}
+
 /// A model's tokenizer with its chat template and special tokens.
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
@@ -438,10 +446,7 @@ impl Tokenizer {
     /// minijinja's syntax error; `None` when it parses or there is none.
     pub fn chat_template_error(&self) -> Option<TokenizerError> {
         match &self.chat_template {
-            Some(Err((origin, message))) => Some(TokenizerError::TemplateSyntax {
-                origin: origin.clone(),
-                message: message.clone(),
-            }),
+            Some(Err(unparsed)) => Some(syntax_error(unparsed)),
             _ => None,
         }
     }
@@ -511,12 +516,7 @@ impl Tokenizer {
         let template = match &self.chat_template {
             None => return Err(TokenizerError::NoChatTemplate),
             Some(Ok(t)) => t,
-            Some(Err((origin, message))) => {
-                return Err(TokenizerError::TemplateSyntax {
-                    origin: origin.clone(),
-                    message: message.clone(),
-                })
-            }
+            Some(Err(unparsed)) => return Err(syntax_error(unparsed)),
         };
         template.render(minijinja::context! {
             messages => messages,
